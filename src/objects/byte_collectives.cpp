@@ -1,0 +1,100 @@
+// The byte transport under the object collectives.
+#include <ATen/ATen.h>
+
+#include <cstring>
+
+#include "mdist/error.h"
+#include "mdist/objects/collectives.h"
+#include "src/runtime/group_state.h"
+
+namespace mdist::detail {
+namespace {
+
+at::Tensor byte_tensor(std::span<const std::uint8_t> bytes, std::int64_t padded_size,
+                       const c10::Device& device) {
+  at::Tensor host = at::zeros({padded_size}, at::TensorOptions().dtype(at::kByte));
+  if (!bytes.empty()) std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
+  return host.to(device);
+}
+
+}  // namespace
+
+int check_broadcast_source(int src, const Group& group) {
+  const auto members = group.is_not_used() ? std::vector<int>() : group.ranks();
+  if (group.is_not_used()) resolve(group, "broadcast");  // throws the 'not used' error
+  const auto it = std::find(members.begin(), members.end(), src);
+  if (it == members.end()) {
+    if (group.is_world()) {
+      throw Error("mdist: broadcast: src " + std::to_string(src) +
+                  " is out of range for the world of size " + std::to_string(members.size()));
+    }
+    throw Error("mdist: broadcast: src " + std::to_string(src) + " is not a member of " +
+                group.name());
+  }
+  return static_cast<int>(it - members.begin());
+}
+
+std::vector<std::vector<std::uint8_t>> allgather_bytes(std::span<const std::uint8_t> bytes,
+                                                       const Group& group, const char* op) {
+  const auto state = resolve(group, op);
+  if (!state) return {std::vector<std::uint8_t>(bytes.begin(), bytes.end())};
+  const auto world = static_cast<std::int64_t>(state->ranks.size());
+  const auto device = state->object_device;
+  auto& pg = *state->pg;
+
+  at::Tensor my_size = at::full({1}, static_cast<std::int64_t>(bytes.size()),
+                                at::TensorOptions().dtype(at::kLong))
+                           .to(device);
+  at::Tensor sizes = at::empty({world}, at::TensorOptions().dtype(at::kLong).device(device));
+  wait_work(pg.all_gather_single(sizes, my_size), *state, op);
+  sizes = sizes.to(c10::kCPU);
+  const std::int64_t* const size_of = sizes.data_ptr<std::int64_t>();
+  const std::int64_t longest = *std::max_element(size_of, size_of + world);
+
+  at::Tensor input = byte_tensor(bytes, longest, device);
+  at::Tensor output =
+      at::empty({world * longest}, at::TensorOptions().dtype(at::kByte).device(device));
+  wait_work(pg.all_gather_single(output, input), *state, op);
+  output = output.to(c10::kCPU);
+
+  std::vector<std::vector<std::uint8_t>> result(static_cast<std::size_t>(world));
+  const auto* const data = output.data_ptr<std::uint8_t>();
+  for (std::int64_t r = 0; r < world; ++r) {
+    if (size_of[r] < 0 || size_of[r] > longest) {
+      throw DecodeError("mdist: " + std::string(op) + ": rank " + std::to_string(r) +
+                        " announced an invalid object size " + std::to_string(size_of[r]));
+    }
+    const auto* const begin = data + r * longest;
+    result[static_cast<std::size_t>(r)].assign(begin, begin + size_of[r]);
+  }
+  return result;
+}
+
+std::vector<std::uint8_t> broadcast_bytes(std::span<const std::uint8_t> bytes, int src,
+                                          const Group& group) {
+  const auto state = resolve(group, "broadcast");
+  if (!state) return {bytes.begin(), bytes.end()};
+  const int group_src = check_broadcast_source(src, group);
+  const auto device = state->object_device;
+  auto& pg = *state->pg;
+  c10d::BroadcastOptions options;
+  options.rootRank = group_src;
+  options.timeout = state->timeout;
+
+  std::vector<at::Tensor> size_tensor = {
+      at::full({1}, static_cast<std::int64_t>(bytes.size()), at::TensorOptions().dtype(at::kLong))
+          .to(device)};
+  wait_work(pg.broadcast(size_tensor, options), *state, "broadcast");
+  const std::int64_t length = size_tensor[0].to(c10::kCPU).item<std::int64_t>();
+  if (length < 0) throw DecodeError("mdist: broadcast: invalid object size " + std::to_string(length));
+
+  std::vector<at::Tensor> data = {state->group_rank == group_src
+                                      ? byte_tensor(bytes, length, device)
+                                      : at::empty({length}, at::TensorOptions().dtype(at::kByte).device(device))};
+  wait_work(pg.broadcast(data, options), *state, "broadcast");
+  const at::Tensor host = data[0].to(c10::kCPU);
+  const auto* const begin = host.data_ptr<std::uint8_t>();
+  return {begin, begin + length};
+}
+
+}  // namespace mdist::detail

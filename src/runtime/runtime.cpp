@@ -1,0 +1,246 @@
+// setup/cleanup/abort and the spec's module-level functions.
+#include "mdist/runtime/runtime.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <iostream>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef MDIST_HAS_CUDA
+#include <torch/cuda.h>
+#endif
+
+#include "mdist/error.h"
+#include "mdist/runtime/c10d.h"
+#include "src/runtime/runtime_state.h"
+
+namespace mdist {
+namespace detail {
+
+std::optional<RuntimeState>& runtime_state() {
+  static std::optional<RuntimeState> state;
+  return state;
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::runtime_state;
+using detail::RuntimeState;
+
+std::string ms_text(std::chrono::milliseconds timeout) {
+  return std::to_string(timeout.count()) + " ms";
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
+}
+
+// Rank 0 binds the store's socket itself (unless mdistrun already did), so that a port in
+// use is one clear error and a loopback job listens on loopback only.
+int bind_store_socket(const std::string& master_addr, int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    throw CommunicationError(std::string("mdist: cannot create the store socket: ") +
+                             std::strerror(errno));
+  }
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = is_loopback(master_addr) ? htonl(INADDR_LOOPBACK) : htonl(INADDR_ANY);
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(fd, 1024) != 0) {
+    const int err = errno;
+    ::close(fd);
+    std::string message = "mdist: rank 0 cannot listen on MASTER_PORT " + std::to_string(port) +
+                          (is_loopback(master_addr) ? " (127.0.0.1): " : " (all interfaces): ") +
+                          std::strerror(err);
+    if (err == EADDRINUSE) message += " (another job or program holds it; pick a free port)";
+    throw EnvironmentError(message);
+  }
+  return fd;
+}
+
+c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env,
+                                              std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(env.master_port);
+  options.isServer = env.rank == 0;
+  options.numWorkers = static_cast<std::size_t>(env.world_size);
+  options.waitWorkers = true;
+  options.timeout = timeout;
+  if (env.rank == 0) {
+    options.masterListenFd =
+        env.store_listen_fd ? *env.store_listen_fd : bind_store_socket(env.master_addr, env.master_port);
+  }
+  const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(env.rank == 0 ? std::string("127.0.0.1") : env.master_addr,
+                                               options);
+  } catch (const std::exception& error) {
+    const std::string cause = detail::first_line(error);
+    if (env.rank == 0) {
+      throw CommunicationError("mdist: setup failed after " + ms_text(timeout) + ": rank 0 waited at " +
+                               where + " for all " + std::to_string(env.world_size) +
+                               " ranks to join (" + cause + ")");
+    }
+    throw CommunicationError("mdist: setup failed after " + ms_text(timeout) + ": rank " +
+                             std::to_string(env.rank) + " could not join the store at " + where +
+                             " (" + cause + ")");
+  }
+}
+
+std::string default_backend_spec() {
+#ifdef MDIST_HAS_CUDA
+  if (torch::cuda::is_available()) return "cpu:gloo,cuda:nccl";
+#endif
+  return "gloo";
+}
+
+int checked_rank_in(const Group& group, const char* op) {
+  const auto state = detail::resolve(group, op);
+  return state ? state->group_rank : 0;
+}
+
+}  // namespace
+
+bool setup(const SetupOptions& options) {
+  if (runtime_state()) {
+    throw Error("mdist: setup() called twice; call cleanup() before joining another job");
+  }
+  if (options.timeout <= std::chrono::milliseconds(0)) {
+    throw Error("mdist: setup timeout must be positive, got " + ms_text(options.timeout));
+  }
+  const auto env = detect_launch_env(process_env, options.master_addr, options.master_port);
+  if (!env) return false;
+
+  RuntimeState state;
+  state.env = *env;
+  state.timeout = options.timeout;
+  state.backend_spec = options.backend.empty() ? default_backend_spec() : options.backend;
+  state.store = connect_store(*env, options.timeout);
+
+  auto world = std::make_shared<detail::GroupState>();
+  world->id = 0;
+  world->group_rank = env->rank;
+  world->timeout = options.timeout;
+  for (int r = 0; r < env->world_size; ++r) world->ranks.push_back(r);
+  try {
+    world->pg = detail::make_process_group(
+        state, c10::make_intrusive<c10d::PrefixStore>("mdist/world/", state.store), env->rank,
+        env->world_size, options.timeout, "world", world->object_device);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& error) {
+    throw CommunicationError("mdist: setup failed on rank " + std::to_string(env->rank) +
+                             " while connecting the " + state.backend_spec + " backend (timeout " +
+                             ms_text(options.timeout) + "): " + detail::first_line(error));
+  }
+  state.world = world;
+  state.groups.push_back(world);
+  runtime_state() = std::move(state);
+  return true;
+}
+
+bool setup(std::chrono::milliseconds timeout) {
+  SetupOptions options;
+  options.timeout = timeout;
+  return setup(options);
+}
+
+void cleanup() {
+  auto& state = runtime_state();
+  if (!state) return;
+  std::exception_ptr barrier_error;
+  if (std::uncaught_exceptions() == 0) {
+    try {
+      barrier();
+    } catch (...) {
+      barrier_error = std::current_exception();
+    }
+  }
+  for (const auto& group : state->groups) {
+    group->pg.reset();
+    group->destroyed = true;
+  }
+  state.reset();
+  if (barrier_error) std::rethrow_exception(barrier_error);
+}
+
+void abort(int exit_code) {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  // No destructors: a process group's would wait for peers that may be gone.
+  std::_Exit(exit_code);
+}
+
+bool is_available() { return true; }
+
+bool is_initialized() { return runtime_state().has_value(); }
+
+std::optional<std::string> backend() {
+  if (!runtime_state()) return std::nullopt;
+  return runtime_state()->backend_spec;
+}
+
+int size(const Group& group) {
+  const auto state = detail::resolve(group, "size");
+  return state ? static_cast<int>(state->ranks.size()) : 1;
+}
+
+int rank(const Group& group) { return checked_rank_in(group, "rank"); }
+
+int local_rank() { return runtime_state() ? runtime_state()->env.local_rank : 0; }
+
+int local_size() { return runtime_state() ? runtime_state()->env.local_world_size : 1; }
+
+bool is_master(const Group& group) { return rank(group) == 0; }
+
+bool is_last_process(const Group& group) { return rank(group) == size(group) - 1; }
+
+void barrier(const Group& group) {
+  const auto state = detail::resolve(group, "barrier");
+  if (!state) return;
+  c10d::BarrierOptions options;
+  options.timeout = state->timeout;
+  if (state->object_device.is_cuda()) options.device_ids = {state->object_device.index()};
+  detail::wait_work(state->pg->barrier(options), *state, "barrier");
+}
+
+std::optional<LaunchEnv> launch_env() {
+  if (!runtime_state()) return std::nullopt;
+  return runtime_state()->env;
+}
+
+std::chrono::milliseconds default_timeout() {
+  return runtime_state() ? runtime_state()->timeout : SetupOptions{}.timeout;
+}
+
+c10::intrusive_ptr<c10d::Store> store() {
+  if (!runtime_state()) throw Error("mdist: store() needs an initialized job; call setup() first");
+  return runtime_state()->store;
+}
+
+int guarded_main(int (*body)(int, char**), int argc, char** argv) {
+  try {
+    return body(argc, argv);
+  } catch (const std::exception& error) {
+    std::cerr << detail::first_line(error) << std::endl;
+    return 1;
+  }
+}
+
+}  // namespace mdist
