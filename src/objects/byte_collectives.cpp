@@ -19,6 +19,30 @@ at::Tensor byte_tensor(std::span<const std::uint8_t> bytes, std::int64_t padded_
 
 }  // namespace
 
+at::Tensor reduce_tensors(const std::vector<at::Tensor>& values, std::string_view op) {
+  at::Tensor result = values.front().clone();
+  for (std::size_t i = 1; i < values.size(); ++i) {
+    if (!values[i].sizes().equals(result.sizes())) {
+      throw Error("mdist: allreduce: tensors of shapes " + c10::str(result.sizes()) + " and " +
+                  c10::str(values[i].sizes()) + " (from group rank " + std::to_string(i) +
+                  ") cannot be reduced together");
+    }
+    if (op == "sum") {
+      result.add_(values[i]);
+    } else if (op == "max") {
+      result = at::maximum(result, values[i]);
+    } else {
+      result = at::minimum(result, values[i]);
+    }
+  }
+  return result;
+}
+
+int group_size(const Group& group, const char* op) {
+  const auto state = resolve(group, op);
+  return state ? static_cast<int>(state->ranks.size()) : 1;
+}
+
 int check_broadcast_source(int src, const Group& group) {
   const auto members = group.is_not_used() ? std::vector<int>() : group.ranks();
   if (group.is_not_used()) resolve(group, "broadcast");  // throws the 'not used' error

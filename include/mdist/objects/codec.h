@@ -76,8 +76,11 @@ const char* tag_name(std::uint8_t tag);
 class ByteWriter {
  public:
   void write(const void* data, std::size_t size) {
-    const auto* const bytes = static_cast<const std::uint8_t*>(data);
-    buffer_.insert(buffer_.end(), bytes, bytes + size);
+    if (size == 0) return;
+    // resize + memcpy rather than insert(): GCC 12 reports a false -Wstringop-overflow there.
+    const std::size_t old_size = buffer_.size();
+    buffer_.resize(old_size + size);
+    std::memcpy(buffer_.data() + old_size, data, size);
   }
   template <class T>
     requires std::is_trivially_copyable_v<T>

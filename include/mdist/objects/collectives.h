@@ -27,8 +27,13 @@ std::vector<std::vector<std::uint8_t>> allgather_bytes(std::span<const std::uint
                                                        const Group& group, const char* op);
 std::vector<std::uint8_t> broadcast_bytes(std::span<const std::uint8_t> bytes, int src,
                                           const Group& group);
+// Size of `group` for the collective `op`; its errors name `op`.
+int group_size(const Group& group, const char* op);
 // Checks `src` (a global rank) is a member of `group`; returns its rank in the group.
 int check_broadcast_source(int src, const Group& group);
+
+// Elementwise sum / max / min of tensors of one shape (src/objects/byte_collectives.cpp).
+at::Tensor reduce_tensors(const std::vector<at::Tensor>& values, std::string_view op);
 
 template <class T>
 T sum_of(const std::vector<T>& values) {
@@ -43,41 +48,52 @@ T sum_of(const std::vector<T>& values) {
 template <class T>
 T broadcast(const T& obj, int src = 0, const Group& group = Group::world()) {
   detail::check_broadcast_source(src, group);
-  if (size(group) == 1) return obj;
+  if (detail::group_size(group, "broadcast") == 1) return obj;
   const auto bytes = rank() == src ? to_bytes(obj) : std::vector<std::uint8_t>();
   const auto received = detail::broadcast_bytes(bytes, src, group);
   if (rank() == src) return obj;
   return from_bytes<T>(received);
 }
 
-// Every rank's `obj`, in group-rank order.
+namespace detail {
 template <class T>
-std::vector<T> allgather(const T& obj, const Group& group = Group::world()) {
-  if (size(group) == 1) return {obj};
-  const auto gathered = detail::allgather_bytes(to_bytes(obj), group, "allgather");
+std::vector<T> allgather_as(const T& obj, const Group& group, const char* op) {
+  if (group_size(group, op) == 1) return {obj};
+  const auto gathered = allgather_bytes(to_bytes(obj), group, op);
   std::vector<T> result;
   result.reserve(gathered.size());
   for (const auto& bytes : gathered) result.push_back(from_bytes<T>(bytes));
   return result;
 }
+}  // namespace detail
+
+// Every rank's `obj`, in group-rank order.
+template <class T>
+std::vector<T> allgather(const T& obj, const Group& group = Group::world()) {
+  return detail::allgather_as(obj, group, "allgather");
+}
 
 // Gathers every rank's `obj` and reduces them in rank order with `op`: "sum" (operator+),
-// "max" or "min" (operator<). The same result on every rank.
+// "max" or "min" (operator<); tensors elementwise. The same result on every rank.
 template <class T>
 T allreduce(const T& obj, std::string_view op = "sum", const Group& group = Group::world()) {
   if (op != "sum" && op != "max" && op != "min") {
     throw Error("mdist: allreduce: unsupported op '" + std::string(op) +
                 "' (supported: sum, max, min)");
   }
-  const auto values = allgather(obj, group);
-  if (op == "sum") {
+  const auto values = detail::allgather_as(obj, group, "allreduce");
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    return detail::reduce_tensors(values, op);
+  } else if (op == "sum") {
     if constexpr (requires(const T& a) { a + a; }) {
       return detail::sum_of(values);
     } else {
       throw Error("mdist: allreduce: op 'sum' needs a type with operator+");
     }
   }
-  if constexpr (requires(const T& a) { a < a; }) {
+  if constexpr (requires(const T& a) {
+                  { a < a } -> std::convertible_to<bool>;
+                }) {
     return op == "max" ? *std::max_element(values.begin(), values.end())
                        : *std::min_element(values.begin(), values.end());
   } else {
