@@ -13,6 +13,7 @@
 #include <exception>
 #include <iostream>
 
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef MDIST_HAS_CUDA
@@ -41,6 +42,24 @@ using detail::RuntimeState;
 std::string ms_text(std::chrono::milliseconds timeout) {
   return std::to_string(timeout.count()) + " ms";
 }
+
+// While joining, libtorch logs every failed connection attempt with a backtrace; mdist reports
+// the outcome in one line instead. A user who sets TORCH_CPP_LOG_LEVEL keeps full control.
+class QuietTorchLogs {
+ public:
+  QuietTorchLogs() : saved_(FLAGS_caffe2_log_level) {
+    if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr) FLAGS_caffe2_log_level = 3;  // FATAL
+  }
+  ~QuietTorchLogs() { FLAGS_caffe2_log_level = saved_; }
+  QuietTorchLogs(const QuietTorchLogs&) = delete;
+  QuietTorchLogs& operator=(const QuietTorchLogs&) = delete;
+
+ private:
+  int saved_;
+};
+
+// mdistrun hands rank 0 a bound socket once; a second setup() in the same process binds anew.
+bool launcher_socket_used = false;
 
 bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
@@ -82,10 +101,15 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env,
   options.waitWorkers = true;
   options.timeout = timeout;
   if (env.rank == 0) {
-    options.masterListenFd =
-        env.store_listen_fd ? *env.store_listen_fd : bind_store_socket(env.master_addr, env.master_port);
+    if (env.store_listen_fd && !launcher_socket_used) {
+      options.masterListenFd = *env.store_listen_fd;
+      launcher_socket_used = true;
+    } else {
+      options.masterListenFd = bind_store_socket(env.master_addr, env.master_port);
+    }
   }
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+  const QuietTorchLogs quiet;
   try {
     return c10::make_intrusive<c10d::TCPStore>(env.rank == 0 ? std::string("127.0.0.1") : env.master_addr,
                                                options);
@@ -138,6 +162,7 @@ bool setup(const SetupOptions& options) {
   world->timeout = options.timeout;
   for (int r = 0; r < env->world_size; ++r) world->ranks.push_back(r);
   try {
+    const QuietTorchLogs quiet;
     world->pg = detail::make_process_group(
         state, c10::make_intrusive<c10d::PrefixStore>("mdist/world/", state.store), env->rank,
         env->world_size, options.timeout, "world", world->object_device);
@@ -177,6 +202,14 @@ void cleanup() {
   }
   state.reset();
   if (barrier_error) std::rethrow_exception(barrier_error);
+}
+
+Session::~Session() {
+  try {
+    cleanup();
+  } catch (const std::exception& error) {
+    std::cerr << detail::first_line(error) << std::endl;
+  }
 }
 
 void abort(int exit_code) {

@@ -38,11 +38,12 @@ void cleanup();
 // destructors that could wait for peers. For fatal errors in a multi-rank job.
 [[noreturn]] void abort(int exit_code = 1);
 
-// Calls setup() on construction and cleanup() on destruction.
+// Calls setup() on construction and cleanup() on destruction. A failing cleanup is reported
+// on stderr (a destructor cannot throw).
 class Session {
  public:
   explicit Session(const SetupOptions& options = {}) { setup(options); }
-  ~Session() { cleanup(); }
+  ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 };

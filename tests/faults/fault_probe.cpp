@@ -1,0 +1,60 @@
+// A program that misbehaves on purpose, driven by fault_test: each mode is one fault a user
+// can meet (bad environment, missing peer, crashed peer, timeout, destroyed group, abort).
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "mdist/mdist.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+
+int probe(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "setup";
+  const auto timeout = std::chrono::milliseconds(argc > 2 ? std::atoi(argv[2]) : 20000);
+  mdist::SetupOptions options;
+  options.timeout = timeout;
+  if (mode == "setup") {
+    const mdist::Session session(options);
+    std::cout << "joined rank " << mdist::rank() << " of " << mdist::size() << " via "
+              << mdist::to_string(mdist::launch_env()->source) << " sum "
+              << mdist::allreduce(mdist::rank()) << std::endl;
+    return 0;
+  }
+  mdist::setup(timeout);
+  const int me = mdist::rank();
+  if (mode == "collective-timeout") {
+    // Rank 1 never joins the collective: rank 0 must fail after the timeout, not hang.
+    if (me == 1) std::this_thread::sleep_for(30s);
+    mdist::allgather(me);
+  } else if (mode == "peer-crash") {
+    if (me == 1) std::_Exit(0);  // gone without a word, as a crash would be
+    std::this_thread::sleep_for(300ms);
+    mdist::allgather(me);
+  } else if (mode == "destroyed-group") {
+    const mdist::Group all = mdist::new_group(mdist::Group::world().ranks());
+    mdist::cleanup();
+    mdist::allgather(me, all);
+  } else if (mode == "abort") {
+    if (me == 1) mdist::abort(7);
+    std::this_thread::sleep_for(30s);
+  } else if (mode == "exception-in-session") {
+    mdist::cleanup();  // and join again, as a program running two jobs in turn would
+    const mdist::Session session(options);
+    // Rank 0 fails while its peers wait in cleanup's barrier: the Session must not wait for
+    // them (the launcher then ends the job).
+    if (mdist::rank() == 0) throw std::runtime_error("boom on rank 0");
+  } else {
+    throw std::invalid_argument("fault_probe: unknown mode " + mode);
+  }
+  mdist::cleanup();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return mdist::guarded_main(probe, argc, argv); }
