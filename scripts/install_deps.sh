@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs the Debian packages mdist builds and tests with, when any is missing.
+set -euo pipefail
+
+packages=(
+  cmake g++ make ccache unzip       # build
+  libgtest-dev libgmock-dev         # tests
+  libbenchmark-dev                  # bench/
+  libgloo-dev                       # Gloo headers: the torch wheel ships libgloo inside libtorch_cpu, no headers
+  libcli11-dev                      # command-line parsing (mdistrun)
+  clang libclang-rt-14-dev          # libFuzzer targets (fuzz/)
+)
+
+missing=()
+for package in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$package")
+  fi
+done
+if ! python3 -m pip --version >/dev/null 2>&1; then
+  missing+=(python3-pip) # pip fetches the pinned torch wheel (scripts/install_libtorch.sh)
+fi
+if ((${#missing[@]} == 0)); then
+  exit 0
+fi
+
+sudo=()
+if [[ $(id -u) != 0 ]]; then
+  sudo=(sudo)
+fi
+echo "install_deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+"${sudo[@]}" apt-get update -q >&2
+"${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
