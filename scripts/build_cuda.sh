@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Builds the CUDA variant (libtorch_cuda, NCCL backend) into build-cuda/. On a machine with a
+# CUDA toolkit but no GPU this is a compile-and-link check; on a GPU machine it gives
+# build-cuda/bin/ programs that use NCCL for CUDA tensors ("cpu:gloo,cuda:nccl").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v nvcc >/dev/null 2>&1 && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
+  echo "build_cuda: no CUDA toolkit (nvcc) found; skipping the CUDA build" >&2
+  exit 0
+fi
+libtorch="$(MDIST_WITH_CUDA=1 scripts/install_libtorch.sh | tail -n 1)"
+export CCACHE_BASEDIR="$PWD"
+export CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
+export CCACHE_NOHASHDIR=1
+cmake -S . -B build-cuda -DMDIST_LIBTORCH="$libtorch" -DMDIST_WITH_CUDA=ON \
+  -DCUDAToolkit_ROOT="${CUDAToolkit_ROOT:-/usr/local/cuda}" -DMDIST_BUILD_TESTS=OFF \
+  -DMDIST_BUILD_BENCH=OFF >/dev/null
+cmake --build build-cuda -j "$(nproc)" --target mdist mdist-demo mdistrun
+echo "build_cuda: built build-cuda/lib/libmdist.so with NCCL support" >&2
