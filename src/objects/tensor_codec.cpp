@@ -1,6 +1,8 @@
 // Codec<at::Tensor>: dtype, device type, shape, then the raw bytes of a contiguous copy.
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "mdist/objects/codec.h"
 #ifdef MDIST_HAS_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -57,7 +59,10 @@ void Codec<at::Tensor>::encode(ByteWriter& out, const at::Tensor& value) {
     throw Error("mdist: cannot send a tensor on device " + value.device().str() +
                 "; only CPU and CUDA tensors are supported");
   }
-  const at::Tensor host = value.detach().to(c10::kCPU).contiguous();
+  // resolve_conj/resolve_neg: a conjugate or negative view shares its storage with the
+  // original, and data_ptr() would send the original's values.
+  const at::Tensor host =
+      value.detach().to(c10::kCPU).resolve_conj().resolve_neg().contiguous();
   out.write_tag(Tag::kTensor);
   out.write_raw(static_cast<std::int8_t>(value.scalar_type()));
   out.write_raw(static_cast<std::uint8_t>(device));
@@ -81,23 +86,34 @@ at::Tensor Codec<at::Tensor>::decode(ByteReader& in) {
   const auto dims = in.read_raw<std::uint32_t>();
   if (dims > kMaxDims) in.fail("tensor has " + std::to_string(dims) + " dimensions");
   std::vector<std::int64_t> sizes(dims);
+  // Checked before multiplying so a corrupt shape cannot overflow: the bound covers the byte
+  // count (numel times the element size) and every contiguous stride at::empty computes, the
+  // product of the sizes with 0 counted as 1, so a zero-size dimension cannot hide huge ones.
+  const std::uint64_t element_size = c10::elementSize(dtype);
+  const std::uint64_t max_elements = (std::uint64_t{1} << 62) / element_size;
   std::uint64_t numel = 1;
+  std::uint64_t extent = 1;
   for (auto& size : sizes) {
     size = in.read_raw<std::int64_t>();
     if (size < 0) in.fail("negative tensor size " + std::to_string(size));
-    // Checked before multiplying so a corrupt shape cannot overflow.
-    if (size != 0 && numel > (std::uint64_t{1} << 62) / static_cast<std::uint64_t>(size)) {
-      in.fail("tensor shape is too large");
-    }
+    const std::uint64_t extent_factor =
+        std::max<std::uint64_t>(static_cast<std::uint64_t>(size), 1);
+    if (extent > max_elements / extent_factor) in.fail("tensor shape is too large");
+    extent *= extent_factor;
     numel *= static_cast<std::uint64_t>(size);
   }
-  const std::uint64_t expected = numel * c10::elementSize(dtype);
+  const std::uint64_t expected = numel * element_size;
   const auto nbytes = in.read_length(0, "tensor data");
   if (nbytes != expected) {
     in.fail("tensor data of " + std::to_string(nbytes) + " bytes where its shape needs " +
             std::to_string(expected));
   }
   const auto data = in.read_span(nbytes, "tensor data");
+  // Like a scalar bool: any other byte would be a bool that is undefined behaviour to read.
+  if (dtype == c10::ScalarType::Bool &&
+      std::any_of(data.begin(), data.end(), [](std::uint8_t byte) { return byte > 1; })) {
+    in.fail("bool tensor holds a byte that is neither 0 nor 1");
+  }
   at::Tensor host = at::empty(sizes, at::TensorOptions().dtype(dtype));
   if (nbytes > 0) std::memcpy(host.data_ptr(), data.data(), nbytes);
   if (device == static_cast<std::uint8_t>(WireDevice::kCUDA)) {

@@ -29,6 +29,7 @@
 // Wire format (little-endian, as every platform libtorch supports): a 4-byte header "MDO1",
 // then the value. Each value starts with a tag byte saying what kind it is, so a rank that
 // sent another type than the receiver expects is reported, not misread.
+#include <algorithm>
 #include <array>
 #include <concepts>
 #include <cstdint>
@@ -103,6 +104,8 @@ class ByteReader {
 
   void read(void* out, std::size_t size) {
     require(size, "data");
+    // memcpy needs valid pointers even for 0 bytes, and an empty vector's data() is null.
+    if (size == 0) return;
     std::memcpy(out, data_.data() + offset_, size);
     offset_ += size;
   }
@@ -277,8 +280,10 @@ struct Codec<T> {
   }
 };
 
+// Only enums with a fixed underlying type (every enum class, or `enum E : int`): decoding an
+// out-of-range value into an enum without one would be undefined behaviour.
 template <class T>
-  requires std::is_enum_v<T>
+  requires std::is_enum_v<T> && requires(std::underlying_type_t<T> u) { T{u}; }
 struct Codec<T> {
   using Underlying = std::underlying_type_t<T>;
   static void encode(ByteWriter& out, const T& value) {
@@ -357,7 +362,9 @@ struct Codec<std::vector<T, A>> {
     } else {
       in.expect_tag(Tag::kSequence, "a sequence");
       const auto count = in.read_length(1, "sequence");
-      result.reserve(count);
+      // count is bounded by the bytes left, but sizeof(T) can far exceed an element's
+      // encoding: reserve no more memory than the input holds and let push_back grow.
+      result.reserve(std::min(count, in.remaining() / sizeof(T)));
       for (std::size_t i = 0; i < count; ++i) result.push_back(mdist::decode<T>(in));
     }
     return result;
