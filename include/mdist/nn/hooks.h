@@ -1,0 +1,116 @@
+#pragma once
+// Layer 4: forward hooks for libtorch modules.
+//
+// torch::nn::Module has no hooks, and a parent calls its children's forward() directly, so
+// nothing can step in between. mdist's interception point is a call helper: modules that
+// want their submodules to be hookable (FSDP wraps them) call them through mdist::nn::call
+//
+//     x = mdist::nn::call(fc1, x);        // instead of fc1(x) or fc1->forward(x)
+//
+// and a module whose own forward should run its hooks when a user calls it directly writes
+//
+//     at::Tensor forward(const at::Tensor& x) { return mdist::nn::hooked(*this, &Impl::body, x); }
+//
+// With no hook registered anywhere a call costs one relaxed atomic load; with hooks elsewhere,
+// one hash lookup. Hooks see the call's tensors (arguments, then results) by reference and may
+// replace them, e.g. to cast inputs or to attach autograd nodes to outputs.
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace mdist::nn {
+
+// The tensors of a call's arguments or of its result, in order, by reference.
+using TensorRefs = std::vector<at::Tensor*>;
+using ForwardPreHook = std::function<void(torch::nn::Module& module, TensorRefs& inputs)>;
+using ForwardHook = std::function<void(torch::nn::Module& module, TensorRefs& outputs)>;
+
+// Removes its hook on remove() (not on destruction: hooks usually live as long as the module).
+class HookHandle {
+ public:
+  HookHandle() = default;
+  HookHandle(const torch::nn::Module* module, std::uint64_t id) : module_(module), id_(id) {}
+  void remove();
+
+ private:
+  const torch::nn::Module* module_ = nullptr;
+  std::uint64_t id_ = 0;
+};
+
+HookHandle register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook);
+HookHandle register_forward_hook(torch::nn::Module& module, ForwardHook hook);
+bool has_hooks(const torch::nn::Module& module);
+
+namespace detail {
+bool any_hooks();
+void run_pre_hooks(torch::nn::Module& module, TensorRefs& inputs);
+void run_post_hooks(torch::nn::Module& module, TensorRefs& outputs);
+
+// Collects the tensors inside a value: a tensor, a vector of tensors, a tuple or pair of such.
+inline void collect(TensorRefs& refs, at::Tensor& tensor) { refs.push_back(&tensor); }
+inline void collect(TensorRefs& refs, std::vector<at::Tensor>& tensors) {
+  for (auto& tensor : tensors) refs.push_back(&tensor);
+}
+template <class... Ts>
+void collect(TensorRefs& refs, std::tuple<Ts...>& values) {
+  std::apply([&](auto&... value) { (collect(refs, value), ...); }, values);
+}
+template <class A, class B>
+void collect(TensorRefs& refs, std::pair<A, B>& values) {
+  collect(refs, values.first);
+  collect(refs, values.second);
+}
+template <class T>
+void collect(TensorRefs&, T&) {}  // anything else carries no tensor
+
+template <class M>
+torch::nn::Module& base_of(M& module) {
+  return static_cast<torch::nn::Module&>(module);
+}
+}  // namespace detail
+
+// Runs `body` (a member function of `module`) with `module`'s forward hooks around it.
+template <class M, class R, class C, class... Params, class... Args>
+R hooked(M& module, R (C::*body)(Params...), Args&&... args) {
+  torch::nn::Module& base = detail::base_of(module);
+  if (!detail::any_hooks() || !has_hooks(base)) {
+    return (module.*body)(std::forward<Args>(args)...);
+  }
+  std::tuple<std::decay_t<Args>...> arguments(std::forward<Args>(args)...);
+  TensorRefs inputs;
+  detail::collect(inputs, arguments);
+  detail::run_pre_hooks(base, inputs);
+  R result = std::apply([&](auto&... a) -> R { return (module.*body)(a...); }, arguments);
+  TensorRefs outputs;
+  detail::collect(outputs, result);
+  detail::run_post_hooks(base, outputs);
+  return result;
+}
+
+// Calls `module`'s forward (a ModuleHolder, a shared_ptr or a module) with its hooks.
+template <class Holder, class... Args>
+auto call(Holder& holder, Args&&... args) {
+  auto& module = *holder;
+  using M = std::remove_reference_t<decltype(module)>;
+  using R = decltype(module.forward(std::forward<Args>(args)...));
+  torch::nn::Module& base = detail::base_of(module);
+  if (!detail::any_hooks() || !has_hooks(base)) return module.forward(std::forward<Args>(args)...);
+  std::tuple<std::decay_t<Args>...> arguments(std::forward<Args>(args)...);
+  TensorRefs inputs;
+  detail::collect(inputs, arguments);
+  detail::run_pre_hooks(base, inputs);
+  R result = std::apply([&](auto&... a) -> R { return static_cast<M&>(module).forward(a...); },
+                        arguments);
+  TensorRefs outputs;
+  detail::collect(outputs, result);
+  detail::run_post_hooks(base, outputs);
+  return result;
+}
+
+}  // namespace mdist::nn

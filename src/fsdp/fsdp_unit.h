@@ -1,0 +1,56 @@
+#pragma once
+// Private: the state of one fully_shard unit and the communication it does.
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mdist/fsdp/fully_shard.h"
+#include "mdist/nn/hooks.h"
+
+namespace mdist::detail {
+
+// One parameter managed by a unit.
+struct ManagedParam {
+  std::string name;             // relative to the unit's module, e.g. "fc1.weight"
+  torch::nn::Module* owner = nullptr;
+  std::string key;              // its name in owner's parameter table
+  at::Tensor unsharded;         // the module's own tensor: full shape, storage freed when resharded
+  at::Tensor shard;             // this rank's rows, padded: what parameters() yields
+  std::vector<int64_t> full_shape;
+  int64_t rows = 0;             // full dim 0 (1 for a 0-d parameter)
+  int64_t chunk_rows = 0;       // ceil(rows / W)
+  int64_t row_numel = 0;        // elements per row
+  int64_t offset = 0;           // start in the unit's per-rank flat buffer
+  int64_t shard_numel() const { return chunk_rows * row_numel; }
+};
+
+struct FsdpUnit : std::enable_shared_from_this<FsdpUnit> {
+  int64_t id = 0;
+  torch::nn::Module* module = nullptr;
+  std::weak_ptr<const torch::nn::Module> owner;  // expired once the module is gone
+  bool owner_tracked = false;
+  FullyShardOptions options;
+  int world = 1;
+  int rank = 0;
+  std::vector<ManagedParam> params;
+  int64_t flat_numel = 0;
+  c10::ScalarType shard_dtype = c10::kFloat;
+  c10::ScalarType compute_dtype = c10::kFloat;
+  c10::ScalarType reduce_dtype = c10::kFloat;
+  bool unsharded = false;
+  bool requires_gradient_sync = true;
+  bool backward_pending = false;  // a forward with grad ran and its post-backward has not
+  nn::HookHandle pre_hook;
+  nn::HookHandle post_hook;
+
+  void unshard();
+  void reshard();
+  void post_backward();
+  void reduce_scatter_gradients();
+};
+
+}  // namespace mdist::detail

@@ -1,0 +1,247 @@
+// fully_shard against an un-sharded reference trained in one process on the global batch
+// (run by mdistrun with 1, 2, 3 and 4 ranks; 3 ranks exercises uneven padding).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include "mdist/fsdp/fully_shard.h"
+#include "mdist/mdist.h"
+#include "tests/fsdp/mlp.h"
+
+namespace {
+
+using mdist::testing::Mlp;
+using ::testing::HasSubstr;
+
+constexpr int kGlobalBatch = 12;  // divisible by 1, 2, 3 and 4 ranks
+constexpr int kSteps = 5;
+
+struct Data {
+  at::Tensor x, y;
+};
+
+Data global_batch(int step) {
+  torch::manual_seed(1000 + step);
+  return {torch::randn({kGlobalBatch, 8}), torch::randn({kGlobalBatch, 5})};
+}
+
+Data local_batch(int step) {
+  const Data all = global_batch(step);
+  const int per_rank = kGlobalBatch / mdist::size();
+  return {all.x.narrow(0, mdist::rank() * per_rank, per_rank),
+          all.y.narrow(0, mdist::rank() * per_rank, per_rank)};
+}
+
+Mlp seeded_model() {
+  torch::manual_seed(7);
+  return Mlp();
+}
+
+double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
+}
+
+struct Trace {
+  std::vector<double> losses;
+  std::map<std::string, at::Tensor> params;  // full parameters after training
+};
+
+torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.01); }
+
+Trace train_reference() {
+  Mlp model = seeded_model();
+  torch::optim::AdamW opt(model->parameters(), adamw());
+  Trace trace;
+  for (int step = 0; step < kSteps; ++step) {
+    const Data d = global_batch(step);
+    opt.zero_grad();
+    const at::Tensor loss = torch::mse_loss(model->forward(d.x), d.y);
+    loss.backward();
+    opt.step();
+    trace.losses.push_back(loss.item<double>());
+  }
+  for (const auto& p : model->named_parameters()) trace.params[p.key()] = p.value().detach().clone();
+  return trace;
+}
+
+enum class Wrap { kLayersAndRoot, kRootOnly };
+
+Trace train_sharded(Wrap wrap, bool reshard_after_forward, bool check_memory) {
+  Mlp model = seeded_model();
+  mdist::FullyShardOptions options;
+  options.reshard_after_forward = reshard_after_forward;
+  std::vector<mdist::FsdpHandle> layers;
+  if (wrap == Wrap::kLayersAndRoot) {
+    for (auto* layer : {model->fc1.ptr().get(), model->fc2.ptr().get()}) {
+      layers.push_back(mdist::fully_shard(*layer, options));
+    }
+  }
+  const mdist::FsdpHandle root = mdist::fully_shard(*model, options);
+  EXPECT_TRUE(mdist::is_fsdp2_model(*model));
+
+  torch::optim::AdamW opt(model->parameters(), adamw());
+  Trace trace;
+  for (int step = 0; step < kSteps; ++step) {
+    const Data d = local_batch(step);
+    opt.zero_grad();
+    const at::Tensor loss = torch::mse_loss(model->forward(d.x), d.y);
+    if (check_memory) {
+      for (const auto& layer : layers) EXPECT_EQ(layer.is_unsharded(), !reshard_after_forward);
+      if (reshard_after_forward) {
+        EXPECT_EQ(model->fc1->weight.storage().nbytes(), 0u) << "full weight kept after forward";
+      }
+    }
+    loss.backward();
+    opt.step();
+    if (check_memory) {
+      // After backward no unit holds its full parameters.
+      for (const auto& layer : layers) EXPECT_FALSE(layer.is_unsharded());
+      EXPECT_FALSE(root.is_unsharded());
+      for (auto* linear : {model->fc1.get(), model->fc2.get(), model->fc3.get()}) {
+        EXPECT_EQ(linear->weight.storage().nbytes(), 0u);
+        EXPECT_EQ(linear->bias.storage().nbytes(), 0u);
+      }
+    }
+    // The global loss: the mean of the ranks' means over equal local batches.
+    trace.losses.push_back(mdist::allreduce(loss.item<double>()) / mdist::size());
+  }
+  // Gather the full parameters to compare them with the reference.
+  for (auto& layer : layers) layer.unshard();
+  {
+    mdist::FsdpHandle handle = root;
+    handle.unshard();
+  }
+  trace.params["fc1.weight"] = model->fc1->weight.detach().clone();
+  trace.params["fc1.bias"] = model->fc1->bias.detach().clone();
+  trace.params["fc2.weight"] = model->fc2->weight.detach().clone();
+  trace.params["fc2.bias"] = model->fc2->bias.detach().clone();
+  trace.params["fc3.weight"] = model->fc3->weight.detach().clone();
+  trace.params["fc3.bias"] = model->fc3->bias.detach().clone();
+  return trace;
+}
+
+void expect_matches_reference(const Trace& sharded) {
+  static const Trace reference = train_reference();
+  ASSERT_EQ(sharded.losses.size(), reference.losses.size());
+  for (std::size_t step = 0; step < reference.losses.size(); ++step) {
+    EXPECT_NEAR(sharded.losses[step], reference.losses[step], 1e-6 * std::abs(reference.losses[step]))
+        << "loss at step " << step;
+  }
+  for (const auto& [name, expected] : reference.params) {
+    ASSERT_TRUE(sharded.params.contains(name)) << name;
+    EXPECT_EQ(sharded.params.at(name).sizes(), expected.sizes()) << name;
+    EXPECT_LT(rel_diff(sharded.params.at(name), expected), 1e-5) << name;
+  }
+}
+
+TEST(FullyShard, LayersAndRootMatchSingleProcessTraining) {
+  expect_matches_reference(train_sharded(Wrap::kLayersAndRoot, true, true));
+}
+
+TEST(FullyShard, KeepingFullParametersAfterForwardMatchesToo) {
+  expect_matches_reference(train_sharded(Wrap::kLayersAndRoot, false, true));
+}
+
+TEST(FullyShard, RootOnlyMatches) { expect_matches_reference(train_sharded(Wrap::kRootOnly, true, false)); }
+
+TEST(FullyShard, ShardsHoldCeilRowsAndParametersYieldsThem) {
+  Mlp model = seeded_model();
+  const auto handle = mdist::fully_shard(*model);
+  const int world = mdist::size();
+  const auto ceil_div = [&](int64_t rows) { return (rows + world - 1) / world; };
+  EXPECT_EQ(handle.full_shape("fc2.weight"), (std::vector<int64_t>{12, 16}));
+  EXPECT_EQ(handle.shard_shape("fc2.weight"), (std::vector<int64_t>{ceil_div(12), 16}));
+  EXPECT_EQ(handle.shard_shape("fc3.bias"), (std::vector<int64_t>{ceil_div(5)}));
+  for (const auto& p : model->named_parameters()) {
+    EXPECT_EQ(p.value().size(0), ceil_div(handle.full_shape(p.key())[0])) << p.key();
+    EXPECT_TRUE(p.value().is_leaf());
+  }
+  EXPECT_EQ(handle.managed_parameter_names().size(), 6u);
+}
+
+TEST(FullyShard, ForwardOnlyLeavesNothingGathered) {
+  Mlp model = seeded_model();
+  Mlp reference = seeded_model();
+  const auto layer = mdist::fully_shard(*model->fc1);
+  const auto root = mdist::fully_shard(*model);
+  const at::NoGradGuard no_grad;
+  const at::Tensor x = global_batch(0).x;
+  EXPECT_LT(rel_diff(model->forward(x), reference->forward(x)), 1e-6);
+  EXPECT_FALSE(layer.is_unsharded());
+  EXPECT_FALSE(root.is_unsharded());
+  EXPECT_EQ(model->fc1->weight.storage().nbytes(), 0u);
+}
+
+TEST(FullyShard, GradientAccumulationWithoutSync) {
+  // Two micro-batches, no communication on the first: the same step as one global batch.
+  Mlp model = seeded_model();
+  Mlp reference = seeded_model();
+  auto root = mdist::fully_shard(*model);
+  const Data d = local_batch(0);
+  const int64_t n = d.x.size(0);
+  const int64_t a = n / 2;  // two micro-batches of a and n - a samples
+  if (a == 0) GTEST_SKIP() << "needs two samples per rank";
+  const double wa = static_cast<double>(a) / n;
+  root.set_requires_gradient_sync(false);
+  (torch::mse_loss(model->forward(d.x.narrow(0, 0, a)), d.y.narrow(0, 0, a)) * wa).backward();
+  for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
+  root.set_requires_gradient_sync(true);
+  (torch::mse_loss(model->forward(d.x.narrow(0, a, n - a)), d.y.narrow(0, a, n - a)) * (1 - wa))
+      .backward();
+
+  const Data g = global_batch(0);
+  torch::mse_loss(reference->forward(g.x), g.y).backward();
+  for (const auto& p : model->named_parameters()) {
+    const at::Tensor full_grad = reference->named_parameters()[p.key()].grad();
+    const int64_t rows = full_grad.dim() > 0 ? full_grad.size(0) : 1;
+    const int64_t chunk = p.value().size(0);
+    const int64_t first = mdist::rank() * chunk;
+    const int64_t own = std::max<int64_t>(0, std::min(chunk, rows - first));
+    if (own == 0) continue;
+    EXPECT_LT(rel_diff(p.value().grad().narrow(0, 0, own), full_grad.narrow(0, first, own)), 1e-5)
+        << p.key();
+  }
+}
+
+TEST(FullyShard, IgnoredParametersStayWhole) {
+  Mlp model = seeded_model();
+  Mlp reference = seeded_model();
+  mdist::FullyShardOptions options;
+  options.ignored_params = {model->fc3->weight, model->fc3->bias};
+  const auto root = mdist::fully_shard(*model, options);
+  EXPECT_EQ(root.managed_parameter_names().size(), 4u);
+  EXPECT_EQ(model->fc3->weight.sizes(), (c10::IntArrayRef{5, 12}));
+  const at::Tensor x = global_batch(0).x;
+  const at::NoGradGuard no_grad;
+  EXPECT_LT(rel_diff(model->forward(x), reference->forward(x)), 1e-6);
+}
+
+template <class F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const mdist::Error& error) {
+    return error.what();
+  }
+  return "no error";
+}
+
+TEST(FullyShard, BadInput) {
+  Mlp model = seeded_model();
+  mdist::fully_shard(*model->fc1);
+  EXPECT_THAT(error_of([&] { mdist::fully_shard(*model->fc1); }),
+              HasSubstr("fully_shard: torch::nn::LinearImpl is already wrapped; wrap each module once"));
+  torch::nn::ReLU relu;
+  EXPECT_THAT(error_of([&] { mdist::fully_shard(*relu); }), HasSubstr("has no parameters to manage"));
+  torch::nn::Linear zero_rows(4, 0);
+  EXPECT_THAT(error_of([&] { mdist::fully_shard(*zero_rows); }),
+              HasSubstr("parameter 'weight' has 0 rows along dim 0"));
+  Mlp mixed = seeded_model();
+  mixed->fc2->to(torch::kDouble);
+  EXPECT_THAT(error_of([&] { mdist::fully_shard(*mixed); }),
+              HasSubstr("parameters of one unit must share a dtype, but 'fc1.weight' is Float and "
+                        "'fc2.weight' is Double"));
+}
+
+}  // namespace
