@@ -12,6 +12,7 @@
 #include <cstring>
 #include <exception>
 #include <iostream>
+#include <thread>
 
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -185,20 +186,60 @@ bool setup(std::chrono::milliseconds timeout) {
   return setup(options);
 }
 
+namespace {
+
+// Every rank has reached cleanup: a barrier through the store, not through Gloo. After it no
+// collective is in flight anywhere, so tearing the process groups down cannot cut a peer off
+// in the middle of one (closing a Gloo pair early resets the peer's connection).
+void store_barrier(const RuntimeState& state, const std::string& name) {
+  const std::string arrived = "mdist/" + name + "/arrived";
+  const std::string open = "mdist/" + name + "/open";
+  if (state.store->add(arrived, 1) == state.env.world_size) state.store->set(open, std::vector<uint8_t>{1});
+  state.store->wait({open}, state.timeout);
+}
+
+// Rank 0 hosts the store: it leaves last, once every other rank has said it is done with it.
+void leave_store(const RuntimeState& state) {
+  const std::string left = "mdist/cleanup/left";
+  if (state.env.rank != 0) {
+    state.store->add(left, 1);
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (state.store->add(left, 0) < state.env.world_size - 1 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+}  // namespace
+
 void cleanup() {
   auto& state = runtime_state();
   if (!state) return;
+  // While an exception unwinds, peers may never arrive: leave at once.
+  const bool unwinding = std::uncaught_exceptions() > 0;
   std::exception_ptr barrier_error;
-  if (std::uncaught_exceptions() == 0) {
+  if (!unwinding) {
     try {
-      barrier();
-    } catch (...) {
-      barrier_error = std::current_exception();
+      store_barrier(*state, "cleanup");
+    } catch (const std::exception& error) {
+      barrier_error = std::make_exception_ptr(CommunicationError(
+          "mdist: cleanup: rank " + std::to_string(state->env.rank) +
+          " could not meet the other ranks (timeout " + ms_text(state->timeout) +
+          "): " + detail::first_line(error)));
     }
   }
   for (const auto& group : state->groups) {
     group->pg.reset();
     group->destroyed = true;
+  }
+  if (!unwinding && !barrier_error) {
+    try {
+      leave_store(*state);
+    } catch (const std::exception&) {
+      // The job is over either way; a store that went away early changes nothing.
+    }
   }
   state.reset();
   if (barrier_error) std::rethrow_exception(barrier_error);

@@ -30,8 +30,10 @@ struct SetupOptions {
 bool setup(const SetupOptions& options = {});
 bool setup(std::chrono::milliseconds timeout);
 
-// Barrier, then destroys every group. While an exception is unwinding the barrier is skipped
-// (peers may never arrive). Safe to call when not initialized.
+// Barrier (through the rendezvous store, so that no peer is cut off in the middle of a
+// collective), then destroys every group; rank 0, which hosts the store, leaves last. While an
+// exception is unwinding the barrier is skipped (peers may never arrive). Safe to call when
+// not initialized.
 void cleanup();
 
 // Aborts communication and ends the process at once with `exit_code`, without running
