@@ -27,34 +27,62 @@ void free_storage(const at::Tensor& tensor) {
   storage->set_nbytes(0);
 }
 
-void FsdpUnit::unshard() {
-  if (unsharded) return;
+namespace {
+
+// Every rank's shards of `unit`, packed and gathered: [world * flat_numel] in `dtype`.
+at::Tensor all_gather_shards(const FsdpUnit& unit, c10::ScalarType dtype) {
   const at::NoGradGuard no_grad;
-  const auto options_of = at::TensorOptions().dtype(compute_dtype);
-  at::Tensor local = at::empty({flat_numel}, options_of);
-  for (const auto& p : params) {
+  const auto options_of = at::TensorOptions().dtype(dtype);
+  at::Tensor local = at::empty({unit.flat_numel}, options_of);
+  for (const auto& p : unit.params) {
     local.narrow(0, p.offset, p.shard_numel()).copy_(p.shard.reshape({-1}));
   }
-  at::Tensor gathered = local;
-  if (world > 1) {
-    gathered = at::empty({world * flat_numel}, options_of);
-    const auto pg = process_group(options.group);
-    mdist::wait(pg->all_gather_single(gathered, local), options.group, "fully_shard all-gather");
+  if (unit.world == 1) return local;
+  at::Tensor gathered = at::empty({unit.world * unit.flat_numel}, options_of);
+  const auto pg = process_group(unit.options.group);
+  mdist::wait(pg->all_gather_single(gathered, local), unit.options.group,
+              "fully_shard all-gather");
+  return gathered;
+}
+
+// Copies parameter `p`'s rows out of the gathered buffer into `full` (contiguous, full size),
+// dropping the padding.
+void unpack_rows(const FsdpUnit& unit, const ManagedParam& p, const at::Tensor& gathered,
+                 const at::Tensor& full) {
+  at::Tensor flat = full.view({-1});
+  for (int r = 0; r < unit.world; ++r) {
+    const OwnedRows rows = owned_rows(p, r);
+    if (rows.count <= 0) break;
+    flat.narrow(0, rows.first * p.row_numel, rows.count * p.row_numel)
+        .copy_(gathered.narrow(0, r * unit.flat_numel + p.offset, rows.count * p.row_numel));
   }
+}
+
+}  // namespace
+
+void FsdpUnit::unshard() {
+  if (unsharded) return;
+  const at::Tensor gathered = all_gather_shards(*this, compute_dtype);
+  const at::NoGradGuard no_grad;
   for (auto& p : params) {
     allocate_storage(p.unsharded);
     // variable_data(): writes that do not bump the version counter autograd checks, as the
     // refilled values are the ones it saved.
-    at::Tensor full = p.unsharded.variable_data().view({-1});
-    for (int r = 0; r < world; ++r) {
-      const int64_t first_row = r * p.chunk_rows;
-      const int64_t rows = std::min(p.chunk_rows, p.rows - first_row);
-      if (rows <= 0) break;
-      full.narrow(0, first_row * p.row_numel, rows * p.row_numel)
-          .copy_(gathered.narrow(0, r * flat_numel + p.offset, rows * p.row_numel));
-    }
+    unpack_rows(*this, p, gathered, p.unsharded.variable_data());
   }
   unsharded = true;
+}
+
+std::vector<at::Tensor> FsdpUnit::gather_full_parameters(const c10::Device& device) const {
+  const at::Tensor gathered = all_gather_shards(*this, shard_dtype);
+  const at::NoGradGuard no_grad;
+  std::vector<at::Tensor> full;
+  for (const auto& p : params) {
+    at::Tensor tensor = at::empty(p.full_shape, at::TensorOptions().dtype(shard_dtype));
+    unpack_rows(*this, p, gathered, tensor);
+    full.push_back(tensor.to(device));
+  }
+  return full;
 }
 
 void FsdpUnit::reshard() {

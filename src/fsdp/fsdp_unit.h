@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,8 +50,29 @@ struct FsdpUnit : std::enable_shared_from_this<FsdpUnit> {
 
   void unshard();
   void reshard();
+  // The full parameters gathered from the shards in the shards' dtype, into new tensors (the
+  // unit's own full parameters are left as they are). Collective over the unit's group.
+  std::vector<at::Tensor> gather_full_parameters(const c10::Device& device) const;
   void post_backward();
   void reduce_scatter_gradients();
 };
+
+// One managed parameter, found by the tensor that parameters() yields for it.
+struct ManagedRef {
+  std::shared_ptr<FsdpUnit> unit;
+  std::size_t index = 0;
+  ManagedParam& param() const { return unit->params[index]; }
+};
+std::optional<ManagedRef> find_managed(const at::Tensor& registered);
+
+// Rank `rank`'s rows [first, first + count) of a parameter with `chunk_rows` rows per rank.
+struct OwnedRows {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+inline OwnedRows owned_rows(const ManagedParam& p, int rank) {
+  const int64_t first = rank * p.chunk_rows;
+  return {first, std::max<int64_t>(0, std::min(p.chunk_rows, p.rows - first))};
+}
 
 }  // namespace mdist::detail

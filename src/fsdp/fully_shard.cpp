@@ -183,6 +183,20 @@ void find_params(torch::nn::Module& module, const std::string& prefix, bool is_r
 std::string module_label(const torch::nn::Module& module) { return module.name(); }
 
 }  // namespace
+
+std::optional<ManagedRef> find_managed(const at::Tensor& registered) {
+  auto& r = registry();
+  const std::lock_guard lock(r.mutex);
+  for (const auto& [id, weak] : r.by_id) {
+    auto unit = weak.lock();
+    if (!unit || (unit->owner_tracked && unit->owner.expired())) continue;
+    for (std::size_t i = 0; i < unit->params.size(); ++i) {
+      if (same_tensor(unit->params[i].shard, registered)) return ManagedRef{unit, i};
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace detail
 
 FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options) {

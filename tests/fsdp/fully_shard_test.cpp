@@ -245,3 +245,101 @@ TEST(FullyShard, BadInput) {
 }
 
 }  // namespace
+
+#include "tests/fsdp/tiny_transformer.h"
+
+namespace {
+
+using mdist::testing::TinyTransformer;
+
+// Next-token loss on a fixed random token stream; the global batch is 12 sequences of 6.
+at::Tensor tokens(int step) {
+  torch::manual_seed(3000 + step);
+  return torch::randint(0, TinyTransformer::Impl::kVocab, {kGlobalBatch, 7});
+}
+
+at::Tensor lm_loss(TinyTransformer& model, const at::Tensor& batch) {
+  const at::Tensor logits = model->forward(batch.narrow(1, 0, 6));
+  return torch::cross_entropy_loss(logits.reshape({-1, TinyTransformer::Impl::kVocab}),
+                                   batch.narrow(1, 1, 6).reshape({-1}));
+}
+
+TinyTransformer seeded_transformer() {
+  torch::manual_seed(5);
+  return TinyTransformer();
+}
+
+std::vector<double> train_transformer(TinyTransformer& model, bool sharded,
+                                      std::map<std::string, at::Tensor>* params) {
+  torch::optim::AdamW opt(model->parameters(), adamw());
+  std::vector<double> losses;
+  const int per_rank = kGlobalBatch / mdist::size();
+  for (int step = 0; step < kSteps; ++step) {
+    const at::Tensor all = tokens(step);
+    const at::Tensor batch = sharded ? all.narrow(0, mdist::rank() * per_rank, per_rank) : all;
+    opt.zero_grad();
+    const at::Tensor loss = lm_loss(model, batch);
+    loss.backward();
+    opt.step();
+    losses.push_back(sharded ? mdist::allreduce(loss.item<double>()) / mdist::size()
+                             : loss.item<double>());
+  }
+  if (!sharded) {
+    for (const auto& p : model->named_parameters()) (*params)[p.key()] = p.value().detach().clone();
+  }
+  return losses;
+}
+
+class TransformerStack : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
+
+TEST_P(TransformerStack, MatchesSingleProcessTraining) {
+  const auto [wrap_layers, reshard_after_forward] = GetParam();
+  TinyTransformer reference = seeded_transformer();
+  std::map<std::string, at::Tensor> expected;
+  const auto expected_losses = train_transformer(reference, false, &expected);
+
+  TinyTransformer model = seeded_transformer();
+  mdist::FullyShardOptions options;
+  options.reshard_after_forward = reshard_after_forward;
+  std::vector<mdist::FsdpHandle> units;
+  if (wrap_layers) {
+    for (const auto& layer : *model->layers) units.push_back(mdist::fully_shard(*layer, options));
+  }
+  units.push_back(mdist::fully_shard(*model, options));
+  const auto losses = train_transformer(model, true, nullptr);
+  for (std::size_t step = 0; step < losses.size(); ++step) {
+    EXPECT_NEAR(losses[step], expected_losses[step], 1e-6 * expected_losses[step]) << step;
+  }
+  for (auto& unit : units) {
+    EXPECT_FALSE(unit.is_unsharded());
+    unit.unshard();
+  }
+  for (const auto& [name, value] : expected) {
+    // Full parameters are the modules' own tensors; find them by walking the model.
+    const at::Tensor* found = nullptr;
+    for (const auto& m : model->named_modules()) {
+      const auto prefix = m.key().empty() ? std::string() : m.key() + ".";
+      if (name.rfind(prefix, 0) != 0) continue;
+      const auto local = name.substr(prefix.size());
+      if (local.find('.') != std::string::npos) continue;
+      if (auto* linear = m.value()->as<torch::nn::Linear>()) {
+        found = local == "weight" ? &linear->weight : &linear->bias;
+      } else if (auto* norm = m.value()->as<torch::nn::LayerNorm>()) {
+        found = local == "weight" ? &norm->weight : &norm->bias;
+      } else if (auto* embed = m.value()->as<torch::nn::Embedding>()) {
+        found = &embed->weight;
+      }
+    }
+    ASSERT_NE(found, nullptr) << name;
+    EXPECT_LT(rel_diff(*found, value), 1e-5) << name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Wrapping, TransformerStack,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+                         [](const auto& param_info) {
+                           return std::string(std::get<0>(param_info.param) ? "LayersAndRoot" : "RootOnly") +
+                                  (std::get<1>(param_info.param) ? "Reshard" : "KeepFull");
+                         });
+
+}  // namespace

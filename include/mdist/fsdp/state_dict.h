@@ -1,0 +1,44 @@
+#pragma once
+// State dicts of a model wrapped with fully_shard, keyed by the names parameters have in the
+// un-wrapped model ("fc1.weight"). Parameters no unit manages (ignored, or outside every
+// unit) and buffers appear whole.
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace mdist {
+
+// This rank's rows of one parameter: rows [row_offset, row_offset + local.size(0)) of a
+// tensor of full_shape (padding excluded; a rank past the end holds 0 rows).
+struct ShardedTensor {
+  at::Tensor local;
+  std::vector<int64_t> full_shape;
+  int64_t row_offset = 0;
+};
+
+// Each rank's own rows, no communication.
+std::map<std::string, ShardedTensor> sharded_state_dict(torch::nn::Module& model);
+// Loads a dict saved by sharded_state_dict from the same layout (same group size).
+void load_sharded_state_dict(torch::nn::Module& model,
+                             const std::map<std::string, ShardedTensor>& state);
+
+struct FullStateDictOptions {
+  bool rank0_only = true;  // other ranks get an empty dict
+  bool cpu = true;         // gathered tensors on the CPU
+};
+// Gathers every parameter whole (collective: every rank calls it).
+std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
+                                                  const FullStateDictOptions& options = {});
+// Loads whole tensors (every rank passes the full dict, e.g. read from one checkpoint);
+// each rank keeps its rows, so a dict saved from any group size loads into any other.
+void load_full_state_dict(torch::nn::Module& model, const std::map<std::string, at::Tensor>& state);
+
+// Clips the gradients of a wrapped model by their global norm across ranks (shards summed
+// over the group; replicated parameters counted once, from rank 0) and returns that norm.
+// norm_type: 2 or infinity.
+double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type = 2.0);
+
+}  // namespace mdist
