@@ -29,16 +29,21 @@ void free_storage(const at::Tensor& tensor) {
 
 namespace {
 
-// Every rank's shards of `unit`, packed and gathered: [world * flat_numel] in `dtype`.
-at::Tensor all_gather_shards(const FsdpUnit& unit, c10::ScalarType dtype) {
+// This rank's shards of `unit`, packed into one flat buffer of `dtype`.
+at::Tensor pack_shards(const FsdpUnit& unit, c10::ScalarType dtype) {
   const at::NoGradGuard no_grad;
-  const auto options_of = at::TensorOptions().dtype(dtype);
-  at::Tensor local = at::empty({unit.flat_numel}, options_of);
+  at::Tensor local = at::empty({unit.flat_numel}, at::TensorOptions().dtype(dtype));
   for (const auto& p : unit.params) {
     local.narrow(0, p.offset, p.shard_numel()).copy_(p.shard.reshape({-1}));
   }
+  return local;
+}
+
+// Every rank's shards of `unit`, gathered now: [world * flat_numel] in `dtype`.
+at::Tensor all_gather_shards(const FsdpUnit& unit, c10::ScalarType dtype) {
+  at::Tensor local = pack_shards(unit, dtype);
   if (unit.world == 1) return local;
-  at::Tensor gathered = at::empty({unit.world * unit.flat_numel}, options_of);
+  at::Tensor gathered = at::empty({unit.world * unit.flat_numel}, local.options());
   const auto pg = process_group(unit.options.group);
   mdist::wait(pg->all_gather_single(gathered, local), unit.options.group,
               "fully_shard all-gather");
@@ -60,9 +65,32 @@ void unpack_rows(const FsdpUnit& unit, const ManagedParam& p, const at::Tensor& 
 
 }  // namespace
 
+void FsdpUnit::start_unshard() {
+  if (unsharded || gather_started) return;
+  gather_input = pack_shards(*this, compute_dtype);
+  if (world == 1) {
+    gather_output = gather_input;
+  } else {
+    gather_output = at::empty({world * flat_numel}, gather_input.options());
+    // Asynchronous: Gloo runs it on its own threads while this rank computes.
+    gather_work = process_group(options.group)->all_gather_single(gather_output, gather_input);
+  }
+  gather_started = true;
+}
+
 void FsdpUnit::unshard() {
   if (unsharded) return;
-  const at::Tensor gathered = all_gather_shards(*this, compute_dtype);
+  start_unshard();
+  if (gather_work) {
+    const auto work = std::move(gather_work);
+    gather_work.reset();
+    gather_started = false;
+    mdist::wait(work, options.group, "fully_shard all-gather");
+  }
+  gather_started = false;
+  const at::Tensor gathered = std::move(gather_output);
+  gather_input = at::Tensor();
+  gather_output = at::Tensor();
   const at::NoGradGuard no_grad;
   for (auto& p : params) {
     allocate_storage(p.unsharded);

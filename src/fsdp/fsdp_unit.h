@@ -12,6 +12,8 @@
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/nn/hooks.h"
 
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
 namespace mdist::detail {
 
 // One parameter managed by a unit.
@@ -45,9 +47,20 @@ struct FsdpUnit : std::enable_shared_from_this<FsdpUnit> {
   bool unsharded = false;
   bool requires_gradient_sync = true;
   bool backward_pending = false;  // a forward with grad ran and its post-backward has not
+  // Prefetch: the units that ran just after / before this one in the first forward pass.
+  std::weak_ptr<FsdpUnit> next_in_forward;
+  std::weak_ptr<FsdpUnit> previous_in_forward;
+  // An all-gather in flight: its work, its input (kept alive until done) and its output.
+  c10::intrusive_ptr<c10d::Work> gather_work;
+  at::Tensor gather_input;
+  at::Tensor gather_output;
+  bool gather_started = false;
   nn::HookHandle pre_hook;
   nn::HookHandle post_hook;
 
+  // Issues the all-gather of the full parameters without waiting for it (prefetch).
+  void start_unshard();
+  // Completes the gather (issuing it first if needed) and fills the full parameters.
   void unshard();
   void reshard();
   // The full parameters gathered from the shards in the shards' dtype, into new tensors (the

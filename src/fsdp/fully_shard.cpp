@@ -35,6 +35,10 @@ struct Registry {
   std::map<int64_t, std::weak_ptr<FsdpUnit>> by_id;
   int64_t next_id = 1;
   bool final_callback_queued = false;
+  // Prefetch order: the unit whose forward began last in the current pass, and how many
+  // unit forwards are running (0: the next one starts a new pass).
+  std::weak_ptr<FsdpUnit> last_forward;
+  int active_forwards = 0;
 };
 
 Registry& registry() {
@@ -67,7 +71,14 @@ void finish_backward() {
       if (auto unit = weak.lock()) units.push_back(std::move(unit));
     }
   }
-  for (const auto& unit : units) unit->post_backward();
+  for (const auto& unit : units) {
+    unit->post_backward();
+    // A prefetch for a unit whose backward never came: finish it and free the memory.
+    if (unit->gather_started) {
+      unit->unshard();
+      unit->reshard();
+    }
+  }
 }
 
 void queue_final_callback() {
@@ -127,8 +138,30 @@ void cast_floating(nn::TensorRefs& refs, c10::ScalarType dtype) {
   }
 }
 
+// Links units in the order their forwards begin, once: the first pass fixes the prefetch
+// order, the same on every rank, as collectives must be issued in one order.
+void record_forward_order(FsdpUnit& unit) {
+  auto& r = registry();
+  const std::lock_guard lock(r.mutex);
+  if (r.active_forwards++ == 0) r.last_forward.reset();
+  if (const auto last = r.last_forward.lock(); last && last.get() != &unit) {
+    if (last->next_in_forward.expired()) last->next_in_forward = unit.weak_from_this();
+    if (unit.previous_in_forward.expired()) unit.previous_in_forward = last;
+  }
+  r.last_forward = unit.weak_from_this();
+}
+
+void end_forward() {
+  auto& r = registry();
+  const std::lock_guard lock(r.mutex);
+  if (r.active_forwards > 0) --r.active_forwards;
+}
+
 void pre_forward(FsdpUnit& unit, nn::TensorRefs& inputs) {
+  record_forward_order(unit);
   unit.unshard();
+  // Prefetch: the next unit's all-gather runs while this one computes.
+  if (const auto next = unit.next_in_forward.lock()) next->start_unshard();
   const auto& mp = unit.options.mp_policy;
   if (mp.param_dtype && mp.cast_forward_inputs) cast_floating(inputs, *mp.param_dtype);
   if (at::GradMode::is_enabled()) {
@@ -146,12 +179,19 @@ void post_forward(FsdpUnit& unit, nn::TensorRefs& outputs) {
   if (training) {
     attach([weak = unit.weak_from_this()] {
       queue_final_callback();
-      if (const auto u = weak.lock()) u->unshard();
+      const auto u = weak.lock();
+      if (!u) return;
+      u->unshard();
+      // Backward runs the units in reverse: gather the one before this while it computes.
+      if (const auto previous = u->previous_in_forward.lock(); previous && !previous->unsharded) {
+        previous->start_unshard();
+      }
     }, outputs);
   }
   // Forward-only use leaves nothing gathered behind.
   if (!training || unit.options.reshard_after_forward) unit.reshard();
   if (!training) unit.backward_pending = false;
+  end_forward();
 }
 
 bool same_tensor(const at::Tensor& a, const at::Tensor& b) {
@@ -330,6 +370,7 @@ bool is_fsdp2_model(const torch::nn::Module& module) {
 void FsdpHandle::unshard() { unit_->unshard(); }
 void FsdpHandle::reshard() { unit_->reshard(); }
 bool FsdpHandle::is_unsharded() const { return unit_->unsharded; }
+bool FsdpHandle::is_gathering() const { return unit_->gather_started; }
 void FsdpHandle::set_requires_gradient_sync(bool sync) { unit_->requires_gradient_sync = sync; }
 
 std::vector<std::string> FsdpHandle::managed_parameter_names() const {

@@ -160,6 +160,31 @@ TEST(FullyShard, ShardsHoldCeilRowsAndParametersYieldsThem) {
   EXPECT_EQ(handle.managed_parameter_names().size(), 6u);
 }
 
+TEST(FullyShard, PrefetchGathersTheNextUnitBeforeItRuns) {
+  Mlp model = seeded_model();
+  const auto fc1 = mdist::fully_shard(*model->fc1);
+  const auto fc2 = mdist::fully_shard(*model->fc2);
+  const auto root = mdist::fully_shard(*model);
+  // Registered after fully_shard's own hook: sees the state once fc1 has been gathered.
+  std::vector<bool> fc2_ready;
+  auto probe = mdist::nn::register_forward_pre_hook(*model->fc1, [&](torch::nn::Module&, auto&) {
+    fc2_ready.push_back(fc2.is_gathering() || fc2.is_unsharded());
+  });
+  const Data d = local_batch(0);
+  for (int step = 0; step < 2; ++step) {
+    torch::mse_loss(model->forward(d.x), d.y).backward();
+  }
+  probe.remove();
+  // The first pass records the order; from the second on, fc2's gather is already issued
+  // while fc1 runs.
+  ASSERT_EQ(fc2_ready.size(), 2u);
+  EXPECT_TRUE(fc2_ready[1]);
+  for (const auto* handle : {&fc1, &fc2, &root}) {
+    EXPECT_FALSE(handle->is_unsharded());
+    EXPECT_FALSE(handle->is_gathering());
+  }
+}
+
 TEST(FullyShard, ForwardOnlyLeavesNothingGathered) {
   Mlp model = seeded_model();
   Mlp reference = seeded_model();

@@ -1,12 +1,13 @@
 #pragma once
 // Layer 5: fully_shard, FSDP2's per-parameter sharding for torch::nn::Module trees.
 //
-// STATUS: first part of the fsdp issue. Done: dim-0 sharding with padding, nesting (a
-// parameter belongs to the innermost unit), one all-gather per unit per unshard, one
-// reduce-scatter per unit per backward (gradients averaged over the group), storage really
-// freed on reshard, reshard_after_forward true/false, forward-only use, mixed precision
-// (param/reduce/output dtypes), ignored parameters, gradient sync on/off. Not yet: prefetch,
-// CPU offload, state dicts, clip_grad_norm_ (see the issue).
+// STATUS (the fsdp issue is open): done are dim-0 sharding with padding, nesting (a parameter
+// belongs to the innermost unit), one all-gather per unit per unshard and one reduce-scatter
+// per unit per backward (gradients averaged over the group), storage really freed on reshard,
+// reshard_after_forward true/false, prefetch in forward and backward (order recorded in the
+// first forward), forward-only use, mixed precision (param/reduce/output dtypes), ignored
+// parameters, gradient sync on/off, state dicts and clip_grad_norm_ (state_dict.h).
+// Not yet: CPU offload, and running on CUDA (the code is device-agnostic but untested there).
 //
 // Modules call wrapped submodules through mdist::nn::call (mdist/nn/hooks.h), so that the
 // unit's hooks run; a wrapped root must route its own forward through mdist::nn::hooked.
@@ -52,6 +53,8 @@ class FsdpHandle {
   // Frees the full parameters' storage, keeping the shards.
   void reshard();
   bool is_unsharded() const;
+  // An all-gather for this unit is in flight (prefetched, not yet waited for).
+  bool is_gathering() const;
   // Off: backward keeps full gradients on the unsharded parameters and skips the
   // reduce-scatter (gradient accumulation without communication); the next backward with
   // sync on reduces the accumulated sum.
