@@ -10,9 +10,6 @@ if ! command -v nvcc >/dev/null 2>&1 && [[ ! -x /usr/local/cuda/bin/nvcc ]]; the
   exit 0
 fi
 libtorch="$(MDIST_WITH_CUDA=1 scripts/install_libtorch.sh | tail -n 1)"
-export CCACHE_BASEDIR="$PWD"
-export CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
-export CCACHE_NOHASHDIR=1
 cmake -S . -B build-cuda -DMDIST_LIBTORCH="$libtorch" -DMDIST_WITH_CUDA=ON \
   -DCUDAToolkit_ROOT="${CUDAToolkit_ROOT:-/usr/local/cuda}" -DMDIST_BUILD_TESTS=OFF \
   -DMDIST_BUILD_BENCH=OFF >/dev/null

@@ -32,9 +32,11 @@ namespace {
 // This rank's shards of `unit`, packed into one flat buffer of `dtype`.
 at::Tensor pack_shards(const FsdpUnit& unit, c10::ScalarType dtype) {
   const at::NoGradGuard no_grad;
-  at::Tensor local = at::empty({unit.flat_numel}, at::TensorOptions().dtype(dtype));
+  at::Tensor local =
+      at::empty({unit.flat_numel}, at::TensorOptions().dtype(dtype).device(unit.compute_device));
   for (const auto& p : unit.params) {
-    local.narrow(0, p.offset, p.shard_numel()).copy_(p.shard.reshape({-1}));
+    // From pinned CPU memory (offload) the copy to the device need not block.
+    local.narrow(0, p.offset, p.shard_numel()).copy_(p.shard.reshape({-1}), /*non_blocking=*/true);
   }
   return local;
 }
@@ -131,7 +133,7 @@ void FsdpUnit::reduce_scatter_gradients() {
   bool any = false;
   for (const auto& p : params) any = any || p.unsharded.grad().defined();
   if (!any) return;
-  const auto options_of = at::TensorOptions().dtype(reduce_dtype);
+  const auto options_of = at::TensorOptions().dtype(reduce_dtype).device(compute_device);
   // Rank r's chunk of the input holds its rows of every parameter, so one reduce-scatter
   // leaves each rank the summed gradient of exactly its shards.
   at::Tensor input = at::zeros({world, flat_numel}, options_of);
@@ -156,7 +158,8 @@ void FsdpUnit::reduce_scatter_gradients() {
   for (auto& p : params) {
     at::Tensor shard_grad = reduced.narrow(0, p.offset, p.shard_numel())
                                 .view(p.shard.sizes())
-                                .to(shard_dtype, /*non_blocking=*/false, /*copy=*/true);
+                                .to(shard_device, shard_dtype, /*non_blocking=*/false,
+                                    /*copy=*/true);
     at::Tensor& grad = p.shard.mutable_grad();
     if (grad.defined()) {
       grad.add_(shard_grad);

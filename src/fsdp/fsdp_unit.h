@@ -44,6 +44,8 @@ struct FsdpUnit : std::enable_shared_from_this<FsdpUnit> {
   c10::ScalarType shard_dtype = c10::kFloat;
   c10::ScalarType compute_dtype = c10::kFloat;
   c10::ScalarType reduce_dtype = c10::kFloat;
+  c10::Device compute_device = c10::Device(c10::kCPU);  // full parameters, collectives
+  c10::Device shard_device = c10::Device(c10::kCPU);    // shards and their gradients
   bool unsharded = false;
   bool requires_gradient_sync = true;
   bool backward_pending = false;  // a forward with grad ran and its post-backward has not

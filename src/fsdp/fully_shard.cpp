@@ -157,8 +157,15 @@ void end_forward() {
   if (r.active_forwards > 0) --r.active_forwards;
 }
 
+void to_device(nn::TensorRefs& refs, const c10::Device& device) {
+  for (at::Tensor* ref : refs) {
+    if (ref->defined() && ref->device() != device) *ref = ref->to(device);
+  }
+}
+
 void pre_forward(FsdpUnit& unit, nn::TensorRefs& inputs) {
   record_forward_order(unit);
+  to_device(inputs, unit.compute_device);
   unit.unshard();
   // Prefetch: the next unit's all-gather runs while this one computes.
   if (const auto next = unit.next_in_forward.lock()) next->start_unshard();
@@ -295,6 +302,17 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
   const auto& mp = options.mp_policy;
   unit->compute_dtype = mp.param_dtype.value_or(unit->shard_dtype);
   unit->reduce_dtype = mp.reduce_dtype.value_or(unit->compute_dtype);
+  const c10::Device param_device = first.device();
+  if (options.device) {
+    unit->compute_device = *options.device;
+  } else if (options.offload_policy) {
+    unit->compute_device = at::hasCUDA() ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
+  } else {
+    unit->compute_device = param_device;
+  }
+  unit->shard_device = options.offload_policy ? c10::Device(c10::kCPU) : unit->compute_device;
+  const bool pin = options.offload_policy && options.offload_policy->pin_memory &&
+                   unit->compute_device.is_cuda();
 
   const at::NoGradGuard no_grad;
   int64_t offset = 0;
@@ -314,20 +332,22 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
     std::vector<int64_t> shard_shape = p.full_shape;
     if (shard_shape.empty()) shard_shape.push_back(1);
     shard_shape[0] = p.chunk_rows;
-    at::Tensor shard = at::zeros(shard_shape, registered.options());
+    at::Tensor shard =
+        at::zeros(shard_shape, registered.options().device(unit->shard_device).pinned_memory(pin));
     const int64_t first_row = unit->rank * p.chunk_rows;
     const int64_t own_rows = std::max<int64_t>(0, std::min(p.chunk_rows, p.rows - first_row));
     if (own_rows > 0) {
       shard.view({p.chunk_rows, p.row_numel})
           .narrow(0, 0, own_rows)
-          .copy_(registered.reshape({p.rows, p.row_numel}).narrow(0, first_row, own_rows));
+          .copy_(registered.reshape({p.rows, p.row_numel}).narrow(0, first_row, own_rows).to(unit->shard_device));
     }
     shard.set_requires_grad(registered.requires_grad());
 
     // The module's own tensor becomes the full parameter in the compute dtype, empty until
     // the next unshard; the parameter table gets the shard.
     p.unsharded = registered;
-    p.unsharded.set_data(at::empty(p.full_shape, registered.options().dtype(unit->compute_dtype)));
+    p.unsharded.set_data(at::empty(
+        p.full_shape, registered.options().dtype(unit->compute_dtype).device(unit->compute_device)));
     detail::free_storage(p.unsharded);
     registered = shard;
     p.shard = shard;

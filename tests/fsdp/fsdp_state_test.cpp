@@ -190,6 +190,32 @@ TEST(StateDict, SavedFromTwoRanksLoadsIntoTheWholeWorld) {
   expect_same(mdist::full_state_dict(*everywhere, {.rank0_only = false, .cpu = true}), saved, 0.0);
 }
 
+TEST(CpuOffload, ShardsAndGradientsStayOnTheCpuAndTrainingMatches) {
+  Mlp reference = seeded_model();
+  Mlp model = seeded_model();
+  mdist::FullyShardOptions options;
+  options.offload_policy = mdist::CPUOffloadPolicy{};
+  wrap(model, options);
+  torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int step = 0; step < 5; ++step) {
+    const Data g = global_batch(step);
+    ref_opt.zero_grad();
+    torch::mse_loss(reference->forward(g.x), g.y).backward();
+    ref_opt.step();
+    const Data d = local_batch(step, mdist::rank(), mdist::size());
+    opt.zero_grad();
+    torch::mse_loss(model->forward(d.x), d.y).backward();
+    for (const auto& p : model->parameters()) {
+      EXPECT_TRUE(p.is_cpu());
+      EXPECT_TRUE(p.grad().is_cpu());
+    }
+    opt.step();
+  }
+  expect_same(mdist::full_state_dict(*model, {.rank0_only = false, .cpu = true}),
+              reference_params(reference), 1e-5);
+}
+
 // bf16 compute with fp32 shards and fp32 gradient reduction, against a reference that runs
 // the same precision recipe in one process: fp32 master weights, a bf16 copy for forward and
 // backward, fp32 gradients into AdamW. The two differ only in how bf16 gradients are summed

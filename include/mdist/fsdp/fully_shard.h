@@ -7,7 +7,7 @@
 // reshard_after_forward true/false, prefetch in forward and backward (order recorded in the
 // first forward), forward-only use, mixed precision (param/reduce/output dtypes), ignored
 // parameters, gradient sync on/off, state dicts and clip_grad_norm_ (state_dict.h).
-// Not yet: CPU offload, and running on CUDA (the code is device-agnostic but untested there).
+// CPU offload too. Not yet: running on CUDA (device-aware code, untested on a GPU here).
 //
 // Modules call wrapped submodules through mdist::nn::call (mdist/nn/hooks.h), so that the
 // unit's hooks run; a wrapped root must route its own forward through mdist::nn::hooked.
@@ -31,10 +31,21 @@ struct MixedPrecisionPolicy {
   bool cast_forward_inputs = true;              // cast floating inputs to param_dtype
 };
 
+// Shards and their gradients live on the CPU (pinned when CUDA is used); they are copied to
+// the compute device for the all-gather and the gradients come back after the
+// reduce-scatter, so the optimizer steps on the CPU.
+struct CPUOffloadPolicy {
+  bool pin_memory = true;
+};
+
 struct FullyShardOptions {
   Group group = Group::world();
   bool reshard_after_forward = true;
   MixedPrecisionPolicy mp_policy;
+  std::optional<CPUOffloadPolicy> offload_policy;
+  // Where forward and backward run. Default: the parameters' device, or with CPU offload the
+  // current CUDA device when CUDA is available, else the CPU.
+  std::optional<c10::Device> device;
   // Parameters (by identity) that stay whole and replicated on every rank.
   std::vector<at::Tensor> ignored_params;
 };
