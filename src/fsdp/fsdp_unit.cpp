@@ -29,6 +29,16 @@ void free_storage(const at::Tensor& tensor) {
 
 namespace {
 
+// The unit's process group, or an error that says the model outlived it.
+c10::intrusive_ptr<c10d::ProcessGroup> unit_group(const FsdpUnit& unit) {
+  if (unit.options.group.is_world() && !is_initialized()) {
+    throw CommunicationError("mdist: fully_shard: the model is sharded over the world (" +
+                             std::to_string(unit.world) +
+                             " ranks), whose process group was destroyed by cleanup()");
+  }
+  return process_group(unit.options.group);
+}
+
 // This rank's shards of `unit`, packed into one flat buffer of `dtype`.
 at::Tensor pack_shards(const FsdpUnit& unit, c10::ScalarType dtype) {
   const at::NoGradGuard no_grad;
@@ -46,7 +56,7 @@ at::Tensor all_gather_shards(const FsdpUnit& unit, c10::ScalarType dtype) {
   at::Tensor local = pack_shards(unit, dtype);
   if (unit.world == 1) return local;
   at::Tensor gathered = at::empty({unit.world * unit.flat_numel}, local.options());
-  const auto pg = process_group(unit.options.group);
+  const auto pg = unit_group(unit);
   mdist::wait(pg->all_gather_single(gathered, local), unit.options.group,
               "fully_shard all-gather");
   return gathered;
@@ -75,7 +85,7 @@ void FsdpUnit::start_unshard() {
   } else {
     gather_output = at::empty({world * flat_numel}, gather_input.options());
     // Asynchronous: Gloo runs it on its own threads while this rank computes.
-    gather_work = process_group(options.group)->all_gather_single(gather_output, gather_input);
+    gather_work = unit_group(*this)->all_gather_single(gather_output, gather_input);
   }
   gather_started = true;
 }
@@ -125,7 +135,7 @@ void FsdpUnit::post_backward() {
   if (!backward_pending) return;
   backward_pending = false;
   if (requires_gradient_sync) reduce_scatter_gradients();
-  reshard();
+  if (reshard_after_backward) reshard();
 }
 
 void FsdpUnit::reduce_scatter_gradients() {
@@ -148,7 +158,7 @@ void FsdpUnit::reduce_scatter_gradients() {
   if (world > 1) {
     reduced = at::empty({flat_numel}, options_of);
     at::Tensor flat_input = input.view({-1});
-    const auto pg = process_group(options.group);
+    const auto pg = unit_group(*this);
     c10d::ReduceScatterOptions rs;
     rs.reduceOp = c10d::ReduceOp::SUM;
     mdist::wait(pg->reduce_scatter_single(reduced, flat_input, rs), options.group,

@@ -48,6 +48,7 @@ struct FsdpUnit : std::enable_shared_from_this<FsdpUnit> {
   c10::Device shard_device = c10::Device(c10::kCPU);    // shards and their gradients
   bool unsharded = false;
   bool requires_gradient_sync = true;
+  bool reshard_after_backward = true;
   bool backward_pending = false;  // a forward with grad ran and its post-backward has not
   // Prefetch: the units that ran just after / before this one in the first forward pass.
   std::weak_ptr<FsdpUnit> next_in_forward;

@@ -392,6 +392,9 @@ void FsdpHandle::reshard() { unit_->reshard(); }
 bool FsdpHandle::is_unsharded() const { return unit_->unsharded; }
 bool FsdpHandle::is_gathering() const { return unit_->gather_started; }
 void FsdpHandle::set_requires_gradient_sync(bool sync) { unit_->requires_gradient_sync = sync; }
+void FsdpHandle::set_reshard_after_backward(bool reshard) {
+  unit_->reshard_after_backward = reshard;
+}
 
 std::vector<std::string> FsdpHandle::managed_parameter_names() const {
   std::vector<std::string> names;

@@ -7,6 +7,9 @@
 #include <string>
 #include <thread>
 
+#include <torch/torch.h>
+
+#include "mdist/fsdp/fully_shard.h"
 #include "mdist/mdist.h"
 
 namespace {
@@ -39,6 +42,12 @@ int probe(int argc, char** argv) {
     const mdist::Group all = mdist::new_group(mdist::Group::world().ranks());
     mdist::cleanup();
     mdist::allgather(me, all);
+  } else if (mode == "fsdp-after-cleanup") {
+    torch::manual_seed(0);
+    torch::nn::Linear layer(4, 4);
+    auto handle = mdist::fully_shard(*layer);
+    mdist::cleanup();
+    handle.unshard();  // the all-gather needs the destroyed world group
   } else if (mode == "abort") {
     if (me == 1) mdist::abort(7);
     std::this_thread::sleep_for(30s);

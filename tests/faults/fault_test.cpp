@@ -91,6 +91,13 @@ TEST(Groups, UsingADestroyedGroup) {
                                     "cleanup()"));
 }
 
+TEST(Groups, UsingAShardedModelAfterItsGroupWasDestroyed) {
+  const auto result = run({kLauncher, "--nproc-per-node", "2", kProbe, "fsdp-after-cleanup"});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_THAT(result.err, HasSubstr("mdist: fully_shard: the model is sharded over the world (2 "
+                                    "ranks), whose process group was destroyed by cleanup()"));
+}
+
 TEST(Lifecycle, AbortEndsTheJobWithItsCode) {
   const auto result = run({kLauncher, "--nproc-per-node", "2", kProbe, "abort"});
   EXPECT_EQ(result.exit_code, 7);

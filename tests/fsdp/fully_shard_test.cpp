@@ -209,12 +209,16 @@ TEST(FullyShard, GradientAccumulationWithoutSync) {
   if (a == 0) GTEST_SKIP() << "needs two samples per rank";
   const double wa = static_cast<double>(a) / n;
   root.set_requires_gradient_sync(false);
+  root.set_reshard_after_backward(false);
   (torch::mse_loss(model->forward(d.x.narrow(0, 0, a)), d.y.narrow(0, 0, a)) * wa).backward();
   for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
+  EXPECT_TRUE(root.is_unsharded());  // kept for the next micro-batch
   root.set_requires_gradient_sync(true);
+  root.set_reshard_after_backward(true);
   (torch::mse_loss(model->forward(d.x.narrow(0, a, n - a)), d.y.narrow(0, a, n - a)) * (1 - wa))
       .backward();
 
+  EXPECT_FALSE(root.is_unsharded());
   const Data g = global_batch(0);
   torch::mse_loss(reference->forward(g.x), g.y).backward();
   for (const auto& p : model->named_parameters()) {

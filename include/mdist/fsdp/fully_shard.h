@@ -70,6 +70,9 @@ class FsdpHandle {
   // reduce-scatter (gradient accumulation without communication); the next backward with
   // sync on reduces the accumulated sum.
   void set_requires_gradient_sync(bool sync);
+  // Off: the full parameters stay gathered after backward (saves the next forward's
+  // all-gather during gradient accumulation, at the cost of their memory).
+  void set_reshard_after_backward(bool reshard);
   // Names (relative to the wrapped module) of the parameters this unit manages.
   std::vector<std::string> managed_parameter_names() const;
   // Shapes of one managed parameter: before sharding, and of this rank's shard.
