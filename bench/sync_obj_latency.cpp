@@ -21,7 +21,9 @@ int bench(int argc, char** argv) {
   const double mine = 0.25 * mdist::rank();
 
   const mdist::DistributedProcessGroup dp;
-  const auto max_of = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
+  const auto max_of = [](const std::vector<double>& v) {
+    return *std::max_element(v.begin(), v.end());
+  };
   double synced = 0;
   const auto sync_samples = mdist::bench::time_calls(warmup, calls, [&] {
     synced = mdist::DistributedProcessGroup::get_dist_syncd_obj(mine, dp, max_of);

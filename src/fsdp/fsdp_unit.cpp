@@ -57,8 +57,7 @@ at::Tensor all_gather_shards(const FsdpUnit& unit, c10::ScalarType dtype) {
   if (unit.world == 1) return local;
   at::Tensor gathered = at::empty({unit.world * unit.flat_numel}, local.options());
   const auto pg = unit_group(unit);
-  mdist::wait(pg->all_gather_single(gathered, local), unit.options.group,
-              "fully_shard all-gather");
+  mdist::wait(pg->all_gather_single(gathered, local), unit.options.group, "fully_shard all-gather");
   return gathered;
 }
 

@@ -18,16 +18,16 @@ namespace mdist::detail {
 
 // One parameter managed by a unit.
 struct ManagedParam {
-  std::string name;             // relative to the unit's module, e.g. "fc1.weight"
+  std::string name;  // relative to the unit's module, e.g. "fc1.weight"
   torch::nn::Module* owner = nullptr;
-  std::string key;              // its name in owner's parameter table
-  at::Tensor unsharded;         // the module's own tensor: full shape, storage freed when resharded
-  at::Tensor shard;             // this rank's rows, padded: what parameters() yields
+  std::string key;       // its name in owner's parameter table
+  at::Tensor unsharded;  // the module's own tensor: full shape, storage freed when resharded
+  at::Tensor shard;      // this rank's rows, padded: what parameters() yields
   std::vector<int64_t> full_shape;
-  int64_t rows = 0;             // full dim 0 (1 for a 0-d parameter)
-  int64_t chunk_rows = 0;       // ceil(rows / W)
-  int64_t row_numel = 0;        // elements per row
-  int64_t offset = 0;           // start in the unit's per-rank flat buffer
+  int64_t rows = 0;        // full dim 0 (1 for a 0-d parameter)
+  int64_t chunk_rows = 0;  // ceil(rows / W)
+  int64_t row_numel = 0;   // elements per row
+  int64_t offset = 0;      // start in the unit's per-rank flat buffer
   int64_t shard_numel() const { return chunk_rows * row_numel; }
 };
 

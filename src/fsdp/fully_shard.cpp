@@ -173,9 +173,11 @@ void pre_forward(FsdpUnit& unit, nn::TensorRefs& inputs) {
   if (mp.param_dtype && mp.cast_forward_inputs) cast_floating(inputs, *mp.param_dtype);
   if (at::GradMode::is_enabled()) {
     unit.backward_pending = true;
-    attach([weak = unit.weak_from_this()] {
-      if (const auto u = weak.lock()) u->post_backward();
-    }, inputs);
+    attach(
+        [weak = unit.weak_from_this()] {
+          if (const auto u = weak.lock()) u->post_backward();
+        },
+        inputs);
   }
 }
 
@@ -184,16 +186,19 @@ void post_forward(FsdpUnit& unit, nn::TensorRefs& outputs) {
   if (mp.output_dtype) cast_floating(outputs, *mp.output_dtype);
   const bool training = at::GradMode::is_enabled();
   if (training) {
-    attach([weak = unit.weak_from_this()] {
-      queue_final_callback();
-      const auto u = weak.lock();
-      if (!u) return;
-      u->unshard();
-      // Backward runs the units in reverse: gather the one before this while it computes.
-      if (const auto previous = u->previous_in_forward.lock(); previous && !previous->unsharded) {
-        previous->start_unshard();
-      }
-    }, outputs);
+    attach(
+        [weak = unit.weak_from_this()] {
+          queue_final_callback();
+          const auto u = weak.lock();
+          if (!u) return;
+          u->unshard();
+          // Backward runs the units in reverse: gather the one before this while it computes.
+          if (const auto previous = u->previous_in_forward.lock();
+              previous && !previous->unsharded) {
+            previous->start_unshard();
+          }
+        },
+        outputs);
   }
   // Forward-only use leaves nothing gathered behind.
   if (!training || unit.options.reshard_after_forward) unit.reshard();
@@ -339,15 +344,18 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
     if (own_rows > 0) {
       shard.view({p.chunk_rows, p.row_numel})
           .narrow(0, 0, own_rows)
-          .copy_(registered.reshape({p.rows, p.row_numel}).narrow(0, first_row, own_rows).to(unit->shard_device));
+          .copy_(registered.reshape({p.rows, p.row_numel})
+                     .narrow(0, first_row, own_rows)
+                     .to(unit->shard_device));
     }
     shard.set_requires_grad(registered.requires_grad());
 
     // The module's own tensor becomes the full parameter in the compute dtype, empty until
     // the next unshard; the parameter table gets the shard.
     p.unsharded = registered;
-    p.unsharded.set_data(at::empty(
-        p.full_shape, registered.options().dtype(unit->compute_dtype).device(unit->compute_device)));
+    p.unsharded.set_data(
+        at::empty(p.full_shape,
+                  registered.options().dtype(unit->compute_dtype).device(unit->compute_device)));
     detail::free_storage(p.unsharded);
     registered = shard;
     p.shard = shard;
@@ -362,12 +370,14 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
     r.by_id[unit->id] = unit;
   }
   const std::weak_ptr<detail::FsdpUnit> weak = unit;
-  unit->pre_hook = nn::register_forward_pre_hook(module, [weak](torch::nn::Module&, nn::TensorRefs& in) {
-    if (const auto u = weak.lock()) detail::pre_forward(*u, in);
-  });
-  unit->post_hook = nn::register_forward_hook(module, [weak](torch::nn::Module&, nn::TensorRefs& out) {
-    if (const auto u = weak.lock()) detail::post_forward(*u, out);
-  });
+  unit->pre_hook =
+      nn::register_forward_pre_hook(module, [weak](torch::nn::Module&, nn::TensorRefs& in) {
+        if (const auto u = weak.lock()) detail::pre_forward(*u, in);
+      });
+  unit->post_hook =
+      nn::register_forward_hook(module, [weak](torch::nn::Module&, nn::TensorRefs& out) {
+        if (const auto u = weak.lock()) detail::post_forward(*u, out);
+      });
   return FsdpHandle(unit);
 }
 

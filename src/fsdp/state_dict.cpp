@@ -20,12 +20,14 @@ std::string shape_text(c10::IntArrayRef shape) {
   return out.str();
 }
 
-void check_keys(const torch::nn::Module& model, const std::set<std::string>& given, const char* op) {
+void check_keys(const torch::nn::Module& model, const std::set<std::string>& given,
+                const char* op) {
   std::set<std::string> expected;
   for (const auto& p : model.named_parameters()) expected.insert(p.key());
   for (const auto& b : model.named_buffers()) expected.insert(b.key());
   for (const auto& name : expected) {
-    if (!given.contains(name)) throw Error(std::string("mdist: ") + op + ": missing key '" + name + "'");
+    if (!given.contains(name))
+      throw Error(std::string("mdist: ") + op + ": missing key '" + name + "'");
   }
   for (const auto& name : given) {
     if (!expected.contains(name)) {
@@ -84,10 +86,9 @@ void load_sharded_state_dict(torch::nn::Module& model,
     if (source.full_shape != p.full_shape || source.row_offset != rows.first ||
         (source.local.dim() > 0 ? source.local.size(0) : 1) != rows.count) {
       throw Error(std::string("mdist: ") + kOp + ": '" + item.key() + "' holds rows from " +
-                  std::to_string(source.row_offset) + " of shape " +
-                  shape_text(source.full_shape) + ", but this rank owns " +
-                  std::to_string(rows.count) + " rows from " + std::to_string(rows.first) +
-                  " of shape " + shape_text(p.full_shape) +
+                  std::to_string(source.row_offset) + " of shape " + shape_text(source.full_shape) +
+                  ", but this rank owns " + std::to_string(rows.count) + " rows from " +
+                  std::to_string(rows.first) + " of shape " + shape_text(p.full_shape) +
                   " (sharded state dicts load into the same group size; use the full one "
                   "to change it)");
     }
@@ -111,7 +112,8 @@ std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
     if (!managed || gathered_units.contains(managed->unit.get())) continue;
     gathered_units.insert(managed->unit.get());
     const auto& unit = *managed->unit;
-    const auto full = unit.gather_full_parameters(options.cpu ? cpu : unit.params.front().shard.device());
+    const auto full =
+        unit.gather_full_parameters(options.cpu ? cpu : unit.params.front().shard.device());
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
       gathered[unit.params[i].shard.unsafeGetTensorImpl()] = full[i];
     }
@@ -129,7 +131,8 @@ std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
   return state;
 }
 
-void load_full_state_dict(torch::nn::Module& model, const std::map<std::string, at::Tensor>& state) {
+void load_full_state_dict(torch::nn::Module& model,
+                          const std::map<std::string, at::Tensor>& state) {
   constexpr const char* kOp = "load_full_state_dict";
   std::set<std::string> given;
   for (const auto& [name, value] : state) given.insert(name);
@@ -157,7 +160,8 @@ void load_full_state_dict(torch::nn::Module& model, const std::map<std::string, 
     // A gathered full parameter would now be stale.
     managed->unit->reshard();
   }
-  for (const auto& item : model.named_buffers()) copy_whole(item.key(), item.value(), state.at(item.key()), kOp);
+  for (const auto& item : model.named_buffers())
+    copy_whole(item.key(), item.value(), state.at(item.key()), kOp);
 }
 
 double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type) {
@@ -175,8 +179,8 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
     const at::Tensor grad = item.value().grad();
     if (!grad.defined()) continue;
     grads.push_back(grad);
-    const double part = inf ? grad.abs().max().item<double>()
-                            : grad.to(at::kDouble).pow(2).sum().item<double>();
+    const double part =
+        inf ? grad.abs().max().item<double>() : grad.to(at::kDouble).pow(2).sum().item<double>();
     const auto managed = detail::find_managed(item.value());
     if (managed) {
       if (group && !(*group == managed->unit->options.group)) {

@@ -66,9 +66,9 @@ std::vector<std::vector<std::uint8_t>> allgather_bytes(std::span<const std::uint
   const auto device = state->object_device;
   auto& pg = *state->pg;
 
-  at::Tensor my_size = at::full({1}, static_cast<std::int64_t>(bytes.size()),
-                                at::TensorOptions().dtype(at::kLong))
-                           .to(device);
+  at::Tensor my_size =
+      at::full({1}, static_cast<std::int64_t>(bytes.size()), at::TensorOptions().dtype(at::kLong))
+          .to(device);
   at::Tensor sizes = at::empty({world}, at::TensorOptions().dtype(at::kLong).device(device));
   wait_work(pg.all_gather_single(sizes, my_size), *state, op);
   sizes = sizes.to(c10::kCPU);
@@ -110,11 +110,13 @@ std::vector<std::uint8_t> broadcast_bytes(std::span<const std::uint8_t> bytes, i
           .to(device)};
   wait_work(pg.broadcast(size_tensor, options), *state, "broadcast");
   const std::int64_t length = size_tensor[0].to(c10::kCPU).item<std::int64_t>();
-  if (length < 0) throw DecodeError("mdist: broadcast: invalid object size " + std::to_string(length));
+  if (length < 0)
+    throw DecodeError("mdist: broadcast: invalid object size " + std::to_string(length));
 
-  std::vector<at::Tensor> data = {state->group_rank == group_src
-                                      ? byte_tensor(bytes, length, device)
-                                      : at::empty({length}, at::TensorOptions().dtype(at::kByte).device(device))};
+  std::vector<at::Tensor> data = {
+      state->group_rank == group_src
+          ? byte_tensor(bytes, length, device)
+          : at::empty({length}, at::TensorOptions().dtype(at::kByte).device(device))};
   wait_work(pg.broadcast(data, options), *state, "broadcast");
   const at::Tensor host = data[0].to(c10::kCPU);
   const auto* const begin = host.data_ptr<std::uint8_t>();

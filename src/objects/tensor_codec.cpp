@@ -61,8 +61,7 @@ void Codec<at::Tensor>::encode(ByteWriter& out, const at::Tensor& value) {
   }
   // resolve_conj/resolve_neg: a conjugate or negative view shares its storage with the
   // original, and data_ptr() would send the original's values.
-  const at::Tensor host =
-      value.detach().to(c10::kCPU).resolve_conj().resolve_neg().contiguous();
+  const at::Tensor host = value.detach().to(c10::kCPU).resolve_conj().resolve_neg().contiguous();
   out.write_tag(Tag::kTensor);
   out.write_raw(static_cast<std::int8_t>(value.scalar_type()));
   out.write_raw(static_cast<std::uint8_t>(device));
@@ -118,7 +117,8 @@ at::Tensor Codec<at::Tensor>::decode(ByteReader& in) {
   if (nbytes > 0) std::memcpy(host.data_ptr(), data.data(), nbytes);
   if (device == static_cast<std::uint8_t>(WireDevice::kCUDA)) {
 #ifdef MDIST_HAS_CUDA
-    return host.to(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(c10::cuda::current_device())));
+    return host.to(
+        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(c10::cuda::current_device())));
 #else
     throw DecodeError("mdist: a CUDA tensor arrived, but this mdist build has no CUDA support");
 #endif

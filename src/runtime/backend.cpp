@@ -113,7 +113,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
   object_device = c10::Device(c10::kCPU);
 #ifdef MDIST_HAS_CUDA
   if (!choice.cpu_gloo) {
-    object_device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(c10::cuda::current_device()));
+    object_device =
+        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(c10::cuda::current_device()));
   }
 #endif
   return pg;

@@ -39,8 +39,8 @@ class Reader {
     return static_cast<int>(*value);
   }
 
-  int required_integer(const std::string& name, long long min, long long max,
-                       std::string_view what, std::string_view context) const {
+  int required_integer(const std::string& name, long long min, long long max, std::string_view what,
+                       std::string_view context) const {
     const auto value = integer(name, min, max, what);
     if (!value) {
       throw EnvironmentError("mdist: " + std::string(context) + " but " + name + " is not set");
@@ -122,8 +122,8 @@ void read_master(const Reader& env_vars, LaunchEnv& env, bool required,
   } else if (required) {
     throw EnvironmentError("mdist: " + std::string(context) + " but MASTER_PORT is not set");
   }
-  if (const auto fd = env_vars.integer("MDIST_STORE_LISTEN_FD", 0, kMaxInt,
-                                       "an open file descriptor number");
+  if (const auto fd =
+          env_vars.integer("MDIST_STORE_LISTEN_FD", 0, kMaxInt, "an open file descriptor number");
       fd && env.rank == 0) {
     env.store_listen_fd = *fd;
   }

@@ -172,14 +172,14 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
     try {
       state->pg = detail::make_process_group(
           *runtime, c10::make_intrusive<c10d::PrefixStore>(prefix, runtime->store),
-          state->group_rank, static_cast<int>(state->ranks.size()), state->timeout,
-          state->name(), state->object_device);
+          state->group_rank, static_cast<int>(state->ranks.size()), state->timeout, state->name(),
+          state->object_device);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& error) {
-      throw CommunicationError("mdist: new_group: connecting " + state->name() + " failed on rank " +
-                               std::to_string(runtime->env.rank) + " (timeout " +
-                               std::to_string(state->timeout.count()) +
+      throw CommunicationError("mdist: new_group: connecting " + state->name() +
+                               " failed on rank " + std::to_string(runtime->env.rank) +
+                               " (timeout " + std::to_string(state->timeout.count()) +
                                " ms): " + detail::first_line(error));
     }
   }

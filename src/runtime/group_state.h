@@ -31,8 +31,7 @@ std::shared_ptr<GroupState> resolve(const Group& group, const char* op);
 
 // Waits for `work`; a failure becomes one CommunicationError naming the operation, the
 // group, this rank and the timeout.
-void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const GroupState& group,
-               const char* op);
+void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const GroupState& group, const char* op);
 
 // The first line of an exception's message, without libtorch's backtrace or source prefix.
 std::string first_line(const std::exception& error);

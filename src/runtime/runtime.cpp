@@ -112,14 +112,14 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env,
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
   const QuietTorchLogs quiet;
   try {
-    return c10::make_intrusive<c10d::TCPStore>(env.rank == 0 ? std::string("127.0.0.1") : env.master_addr,
-                                               options);
+    return c10::make_intrusive<c10d::TCPStore>(
+        env.rank == 0 ? std::string("127.0.0.1") : env.master_addr, options);
   } catch (const std::exception& error) {
     const std::string cause = detail::first_line(error);
     if (env.rank == 0) {
-      throw CommunicationError("mdist: setup failed after " + ms_text(timeout) + ": rank 0 waited at " +
-                               where + " for all " + std::to_string(env.world_size) +
-                               " ranks to join (" + cause + ")");
+      throw CommunicationError("mdist: setup failed after " + ms_text(timeout) +
+                               ": rank 0 waited at " + where + " for all " +
+                               std::to_string(env.world_size) + " ranks to join (" + cause + ")");
     }
     throw CommunicationError("mdist: setup failed after " + ms_text(timeout) + ": rank " +
                              std::to_string(env.rank) + " could not join the store at " + where +
@@ -194,7 +194,8 @@ namespace {
 void store_barrier(const RuntimeState& state, const std::string& name) {
   const std::string arrived = "mdist/" + name + "/arrived";
   const std::string open = "mdist/" + name + "/open";
-  if (state.store->add(arrived, 1) == state.env.world_size) state.store->set(open, std::vector<uint8_t>{1});
+  if (state.store->add(arrived, 1) == state.env.world_size)
+    state.store->set(open, std::vector<uint8_t>{1});
   state.store->wait({open}, state.timeout);
 }
 
@@ -224,10 +225,10 @@ void cleanup() {
     try {
       store_barrier(*state, "cleanup");
     } catch (const std::exception& error) {
-      barrier_error = std::make_exception_ptr(CommunicationError(
-          "mdist: cleanup: rank " + std::to_string(state->env.rank) +
-          " could not meet the other ranks (timeout " + ms_text(state->timeout) +
-          "): " + detail::first_line(error)));
+      barrier_error = std::make_exception_ptr(
+          CommunicationError("mdist: cleanup: rank " + std::to_string(state->env.rank) +
+                             " could not meet the other ranks (timeout " + ms_text(state->timeout) +
+                             "): " + detail::first_line(error)));
     }
   }
   for (const auto& group : state->groups) {

@@ -33,11 +33,8 @@ std::optional<RuntimeState>& runtime_state();
 
 // Builds the process group of `size` ranks for one group over `store` (already prefixed),
 // with the backends the job's backend spec names.
-c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(RuntimeState& state,
-                                                          const c10::intrusive_ptr<c10d::Store>& store,
-                                                          int group_rank, int size,
-                                                          std::chrono::milliseconds timeout,
-                                                          const std::string& name,
-                                                          c10::Device& object_device);
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
+    RuntimeState& state, const c10::intrusive_ptr<c10d::Store>& store, int group_rank, int size,
+    std::chrono::milliseconds timeout, const std::string& name, c10::Device& object_device);
 
 }  // namespace mdist::detail

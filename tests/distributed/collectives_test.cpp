@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "mdist/mdist.h"
+#include "tests/support/error_of.h"
 
 namespace {
 
@@ -14,15 +15,7 @@ using ::testing::HasSubstr;
 
 int env_int(const char* name) { return std::atoi(std::getenv(name)); }
 
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const mdist::Error& error) {
-    return error.what();
-  }
-  return "no error";
-}
+using mdist::testing::error_of;
 
 TEST(Runtime, MatchesTheLauncher) {
   ASSERT_TRUE(mdist::is_initialized());
@@ -44,7 +37,8 @@ TEST(Objects, AllgatherEveryTypeWithSizesThatDifferPerRank) {
   using Record = std::tuple<int64_t, std::string, std::vector<double>,
                             std::map<std::string, std::optional<std::pair<bool, float>>>>;
   std::map<std::string, std::optional<std::pair<bool, float>>> table;
-  for (int i = 0; i <= me; ++i) table["k" + std::to_string(i)] = std::make_pair(i % 2 == 0, 0.5f * i);
+  for (int i = 0; i <= me; ++i)
+    table["k" + std::to_string(i)] = std::make_pair(i % 2 == 0, 0.5f * i);
   if (me % 2 == 1) table["empty"] = std::nullopt;
   const Record mine{me * 1000LL, std::string(static_cast<std::size_t>(me) * 300, 'a' + me),
                     std::vector<double>(static_cast<std::size_t>(me), me + 0.25), table};
@@ -66,8 +60,7 @@ TEST(Objects, AllgatherEveryTypeWithSizesThatDifferPerRank) {
 TEST(Objects, AllgatherTensorsOfAnyDtypeAndShape) {
   const int me = mdist::rank();
   const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kLong, at::kBool};
-  const at::Tensor mine =
-      (at::arange((me + 1) * 3).reshape({me + 1, 3}) + me).to(dtypes[me % 4]);
+  const at::Tensor mine = (at::arange((me + 1) * 3).reshape({me + 1, 3}) + me).to(dtypes[me % 4]);
   const auto all = mdist::allgather(mine);
   for (int r = 0; r < mdist::size(); ++r) {
     const at::Tensor expected = (at::arange((r + 1) * 3).reshape({r + 1, 3}) + r).to(dtypes[r % 4]);

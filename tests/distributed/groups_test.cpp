@@ -5,20 +5,13 @@
 #include <algorithm>
 
 #include "mdist/mdist.h"
+#include "tests/support/error_of.h"
 
 namespace {
 
 using ::testing::HasSubstr;
 
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const mdist::Error& error) {
-    return error.what();
-  }
-  return "no error";
-}
+using mdist::testing::error_of;
 
 const auto kMax = [](const std::vector<double>& values) {
   return *std::max_element(values.begin(), values.end());
@@ -54,9 +47,11 @@ TEST(Groups, UnevenSubgroupsInGivenOrder) {
     mdist::barrier(even);
   } else {
     const std::string who = "rank " + std::to_string(me) + " is not a member of this group";
-    EXPECT_THAT(error_of([&] { mdist::rank(even); }), HasSubstr("rank on " + even.name() + ": " + who));
+    EXPECT_THAT(error_of([&] { mdist::rank(even); }),
+                HasSubstr("rank on " + even.name() + ": " + who));
     EXPECT_THAT(error_of([&] { mdist::size(even); }), HasSubstr("size on " + even.name()));
-    EXPECT_THAT(error_of([&] { mdist::allgather(1, even); }), HasSubstr("allgather on " + even.name()));
+    EXPECT_THAT(error_of([&] { mdist::allgather(1, even); }),
+                HasSubstr("allgather on " + even.name()));
     EXPECT_THAT(error_of([&] { mdist::broadcast(1, 0, even); }), HasSubstr("not a member"));
     EXPECT_THAT(error_of([&] { mdist::barrier(even); }), HasSubstr("barrier on " + even.name()));
   }
@@ -69,12 +64,17 @@ TEST(Groups, UnevenSubgroupsInGivenOrder) {
 
 TEST(Groups, BadRankListsAreRejectedOnEveryRank) {
   const int world = mdist::size();
-  EXPECT_THAT(error_of([] { mdist::new_group({}); }), HasSubstr("new_group: the rank list is empty"));
-  EXPECT_THAT(error_of([&] { mdist::new_group({0, world}); }),
+  EXPECT_THAT(error_of([] { mdist::new_group({}); }),
+              HasSubstr("new_group: the rank list is empty"));
+  EXPECT_THAT(error_of([&] {
+                mdist::new_group({0, world});
+              }),
               HasSubstr("rank " + std::to_string(world) + " is out of range for world size " +
                         std::to_string(world)));
   EXPECT_THAT(error_of([] { mdist::new_group({0, -1}); }), HasSubstr("rank -1 is out of range"));
-  EXPECT_THAT(error_of([] { mdist::new_group({0, 0}); }),
+  EXPECT_THAT(error_of([] {
+                mdist::new_group({0, 0});
+              }),
               HasSubstr("new_group [0, 0]: rank 0 appears twice"));
   // Rejected calls made no group, so the next one still matches on every rank.
   const mdist::Group all = mdist::new_group(mdist::Group::world().ranks());
@@ -92,7 +92,8 @@ TEST(ParallelState, FactoryLayoutMatchesMegatron) {
       EXPECT_FALSE(state.tensor_parallel_group.is_initialized());
       EXPECT_EQ(state.tensor_parallel_group.rank(), -1);
     } else {
-      EXPECT_EQ(state.tensor_parallel_group.group().ranks(), layout.tensor_parallel_groups[me / tp]);
+      EXPECT_EQ(state.tensor_parallel_group.group().ranks(),
+                layout.tensor_parallel_groups[me / tp]);
       EXPECT_EQ(state.tensor_parallel_group.rank(), me % tp);
       EXPECT_EQ(state.tensor_parallel_group.world_size(), tp);
     }
@@ -106,8 +107,8 @@ TEST(ParallelState, FactoryLayoutMatchesMegatron) {
         0.5 * me, {state.data_parallel_group, state.tensor_parallel_group}, kMax);
     EXPECT_DOUBLE_EQ(amax, 0.5 * (world - 1)) << "tp " << tp;
     // Only data parallel: the max within this rank's data-parallel group.
-    const double dp_amax =
-        mdist::DistributedProcessGroup::get_dist_syncd_obj(0.5 * me, state.data_parallel_group, kMax);
+    const double dp_amax = mdist::DistributedProcessGroup::get_dist_syncd_obj(
+        0.5 * me, state.data_parallel_group, kMax);
     EXPECT_DOUBLE_EQ(dp_amax, 0.5 * layout.data_parallel_groups[me % tp].back());
   }
 }
@@ -118,7 +119,8 @@ TEST(ParallelState, ExpertParallelGroups) {
   const int me = mdist::rank();
   const auto state = mdist::make_parallel_state({.tensor_parallel = 1, .expert_model_parallel = 2});
   EXPECT_TRUE(state.data_parallel_group.group().is_world());
-  EXPECT_EQ(state.expert_model_parallel_group.group().ranks(), (std::vector<int>{me - me % 2, me - me % 2 + 1}));
+  EXPECT_EQ(state.expert_model_parallel_group.group().ranks(),
+            (std::vector<int>{me - me % 2, me - me % 2 + 1}));
   const auto gathered = mdist::DistributedProcessGroup::get_dist_syncd_obj(
       me, state.expert_model_parallel_group, [](const std::vector<int>& v) { return v[0] + v[1]; });
   EXPECT_EQ(gathered, 2 * (me - me % 2) + 1);

@@ -8,11 +8,11 @@
 
 namespace {
 
+using mdist::testing::run;
+using mdist::testing::RunOptions;
 using ::testing::EndsWith;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
-using mdist::testing::run;
-using mdist::testing::RunOptions;
 using namespace std::chrono_literals;
 
 const std::string kProbe = MDIST_FAULT_PROBE;
@@ -45,7 +45,8 @@ TEST(BadEnvironment, MasterPortInUse) {
   const mdist::testing::HeldPort held;
   const auto result = run({kProbe, "setup"}, torchrun_env(0, 1, held.port()));
   EXPECT_EQ(result.exit_code, 1);
-  EXPECT_EQ(result.err, "mdist: rank 0 cannot listen on MASTER_PORT " + std::to_string(held.port()) +
+  EXPECT_EQ(result.err, "mdist: rank 0 cannot listen on MASTER_PORT " +
+                            std::to_string(held.port()) +
                             " (127.0.0.1): Address already in use (another job or program holds "
                             "it; pick a free port)\n");
 }
@@ -54,8 +55,9 @@ TEST(MissingPeer, RankZeroWaitsOnlyUntilTheTimeout) {
   const int port = mdist::testing::free_port();
   const auto result = run({kProbe, "setup", "1500"}, torchrun_env(0, 2, port));
   EXPECT_EQ(result.exit_code, 1);
-  EXPECT_THAT(result.err, StartsWith("mdist: setup failed after 1500 ms: rank 0 waited at 127.0.0.1:" +
-                                     std::to_string(port) + " for all 2 ranks to join ("));
+  EXPECT_THAT(result.err,
+              StartsWith("mdist: setup failed after 1500 ms: rank 0 waited at 127.0.0.1:" +
+                         std::to_string(port) + " for all 2 ranks to join ("));
   EXPECT_LT(result.elapsed, 20s);
 }
 
@@ -64,12 +66,14 @@ TEST(MissingPeer, AWorkerWithoutAMaster) {
   const auto result = run({kProbe, "setup", "1500"}, torchrun_env(1, 2, port));
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_THAT(result.err, StartsWith("mdist: setup failed after 1500 ms: rank 1 could not join the "
-                                     "store at 127.0.0.1:" + std::to_string(port)));
+                                     "store at 127.0.0.1:" +
+                                     std::to_string(port)));
   EXPECT_LT(result.elapsed, 20s);
 }
 
 TEST(Collectives, APeerThatNeverCallsTimesOut) {
-  const auto result = run({kLauncher, "--nproc-per-node", "2", kProbe, "collective-timeout", "1000"});
+  const auto result =
+      run({kLauncher, "--nproc-per-node", "2", kProbe, "collective-timeout", "1000"});
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_THAT(result.err,
               HasSubstr("[rank0]: mdist: allgather on world failed on rank 0 (timeout 1000 ms): "));
@@ -79,8 +83,9 @@ TEST(Collectives, APeerThatNeverCallsTimesOut) {
 TEST(Collectives, ACrashedPeerIsReportedNotAwaited) {
   const auto result = run({kLauncher, "--nproc-per-node", "2", kProbe, "peer-crash", "60000"});
   EXPECT_EQ(result.exit_code, 1);
-  EXPECT_THAT(result.err,
-              HasSubstr("[rank0]: mdist: allgather on world failed on rank 0 (timeout 60000 ms): "));
+  EXPECT_THAT(
+      result.err,
+      HasSubstr("[rank0]: mdist: allgather on world failed on rank 0 (timeout 60000 ms): "));
   EXPECT_LT(result.elapsed, 30s);
 }
 
@@ -122,12 +127,15 @@ void expect_joins_under(const std::string& launcher,
     options.env = vars(r);
     options.env["MASTER_ADDR"] = "127.0.0.1";
     options.env["MASTER_PORT"] = std::to_string(port);
-    ranks.push_back(std::async(std::launch::async, [options] { return run({kProbe, "setup"}, options); }));
+    ranks.push_back(std::async(std::launch::async, [options] {
+      return run({kProbe, "setup"}, options);
+    }));
   }
   for (int r = 0; r < 2; ++r) {
     const auto result = ranks[r].get();
     EXPECT_EQ(result.exit_code, 0) << result.err;
-    EXPECT_EQ(result.out, "joined rank " + std::to_string(r) + " of 2 via " + launcher + " sum 1\n");
+    EXPECT_EQ(result.out,
+              "joined rank " + std::to_string(r) + " of 2 via " + launcher + " sum 1\n");
   }
 }
 

@@ -91,14 +91,16 @@ TEST(ClipGradNorm, MatchesTheReferenceEveryStep) {
   }
   expect_same(mdist::full_state_dict(*model, {.rank0_only = false, .cpu = true}),
               reference_params(reference), 1e-5);
-  EXPECT_THAT([&] {
-    try {
-      mdist::clip_grad_norm_(*model, 1.0, 1.0);
-    } catch (const mdist::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  }(), HasSubstr("norm_type must be 2 or infinity"));
+  EXPECT_THAT(
+      [&] {
+        try {
+          mdist::clip_grad_norm_(*model, 1.0, 1.0);
+        } catch (const mdist::Error& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      }(),
+      HasSubstr("norm_type must be 2 or infinity"));
 }
 
 TEST(StateDict, FullRoundTripMatchesTheReference) {
@@ -161,7 +163,8 @@ TEST(StateDict, BadDictsAreNamed) {
   EXPECT_THAT(error_of(extra), HasSubstr("unexpected key 'fc4.weight'"));
   auto wrong = full;
   wrong["fc2.weight"] = at::zeros({3, 3});
-  EXPECT_THAT(error_of(wrong), HasSubstr("'fc2.weight' has shape [3, 3] but the model's is [12, 16]"));
+  EXPECT_THAT(error_of(wrong),
+              HasSubstr("'fc2.weight' has shape [3, 3] but the model's is [12, 16]"));
 }
 
 TEST(StateDict, SavedFromTwoRanksLoadsIntoTheWholeWorld) {
@@ -250,7 +253,8 @@ TEST(MixedPrecision, Bf16ComputeFp32Reduce) {
     {
       auto src = compute->parameters();
       auto dst = master->parameters();
-      for (std::size_t i = 0; i < src.size(); ++i) dst[i].mutable_grad() = src[i].grad().to(at::kFloat);
+      for (std::size_t i = 0; i < src.size(); ++i)
+        dst[i].mutable_grad() = src[i].grad().to(at::kFloat);
     }
     ref_opt.step();
 

@@ -8,6 +8,7 @@
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/mdist.h"
 #include "tests/fsdp/mlp.h"
+#include "tests/support/error_of.h"
 
 namespace {
 
@@ -61,7 +62,8 @@ Trace train_reference() {
     opt.step();
     trace.losses.push_back(loss.item<double>());
   }
-  for (const auto& p : model->named_parameters()) trace.params[p.key()] = p.value().detach().clone();
+  for (const auto& p : model->named_parameters())
+    trace.params[p.key()] = p.value().detach().clone();
   return trace;
 }
 
@@ -125,7 +127,8 @@ void expect_matches_reference(const Trace& sharded) {
   static const Trace reference = train_reference();
   ASSERT_EQ(sharded.losses.size(), reference.losses.size());
   for (std::size_t step = 0; step < reference.losses.size(); ++step) {
-    EXPECT_NEAR(sharded.losses[step], reference.losses[step], 1e-6 * std::abs(reference.losses[step]))
+    EXPECT_NEAR(sharded.losses[step], reference.losses[step],
+                1e-6 * std::abs(reference.losses[step]))
         << "loss at step " << step;
   }
   for (const auto& [name, expected] : reference.params) {
@@ -143,7 +146,9 @@ TEST(FullyShard, KeepingFullParametersAfterForwardMatchesToo) {
   expect_matches_reference(train_sharded(Wrap::kLayersAndRoot, false, true));
 }
 
-TEST(FullyShard, RootOnlyMatches) { expect_matches_reference(train_sharded(Wrap::kRootOnly, true, false)); }
+TEST(FullyShard, RootOnlyMatches) {
+  expect_matches_reference(train_sharded(Wrap::kRootOnly, true, false));
+}
 
 TEST(FullyShard, ShardsHoldCeilRowsAndParametersYieldsThem) {
   Mlp model = seeded_model();
@@ -246,23 +251,17 @@ TEST(FullyShard, IgnoredParametersStayWhole) {
   EXPECT_LT(rel_diff(model->forward(x), reference->forward(x)), 1e-6);
 }
 
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const mdist::Error& error) {
-    return error.what();
-  }
-  return "no error";
-}
+using mdist::testing::error_of;
 
 TEST(FullyShard, BadInput) {
   Mlp model = seeded_model();
   mdist::fully_shard(*model->fc1);
-  EXPECT_THAT(error_of([&] { mdist::fully_shard(*model->fc1); }),
-              HasSubstr("fully_shard: torch::nn::LinearImpl is already wrapped; wrap each module once"));
+  EXPECT_THAT(
+      error_of([&] { mdist::fully_shard(*model->fc1); }),
+      HasSubstr("fully_shard: torch::nn::LinearImpl is already wrapped; wrap each module once"));
   torch::nn::ReLU relu;
-  EXPECT_THAT(error_of([&] { mdist::fully_shard(*relu); }), HasSubstr("has no parameters to manage"));
+  EXPECT_THAT(error_of([&] { mdist::fully_shard(*relu); }),
+              HasSubstr("has no parameters to manage"));
   torch::nn::Linear zero_rows(4, 0);
   EXPECT_THAT(error_of([&] { mdist::fully_shard(*zero_rows); }),
               HasSubstr("parameter 'weight' has 0 rows along dim 0"));
@@ -367,7 +366,8 @@ TEST_P(TransformerStack, MatchesSingleProcessTraining) {
 INSTANTIATE_TEST_SUITE_P(Wrapping, TransformerStack,
                          ::testing::Combine(::testing::Bool(), ::testing::Bool()),
                          [](const auto& param_info) {
-                           return std::string(std::get<0>(param_info.param) ? "LayersAndRoot" : "RootOnly") +
+                           return std::string(std::get<0>(param_info.param) ? "LayersAndRoot"
+                                                                            : "RootOnly") +
                                   (std::get<1>(param_info.param) ? "Reshard" : "KeepFull");
                          });
 

@@ -13,7 +13,8 @@ struct BlockImpl : torch::nn::Module {
     norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
     // No qkv bias, as in Llama: the key bias has a zero gradient in exact arithmetic, and
     // AdamW would turn its rounding noise into full-size updates.
-    qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(dim, 3 * dim).bias(false)));
+    qkv = register_module("qkv",
+                          torch::nn::Linear(torch::nn::LinearOptions(dim, 3 * dim).bias(false)));
     proj = register_module("proj", torch::nn::Linear(dim, dim));
     norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
     up = register_module("up", torch::nn::Linear(dim, hidden));

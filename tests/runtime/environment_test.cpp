@@ -30,9 +30,12 @@ std::string error_of(const Vars& vars, const std::optional<std::string>& addr = 
   return "no error";
 }
 
-const Vars kTorchrun = {{"RANK", "3"},          {"WORLD_SIZE", "8"},
-                        {"LOCAL_RANK", "1"},    {"LOCAL_WORLD_SIZE", "2"},
-                        {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29501"}};
+const Vars kTorchrun = {{"RANK", "3"},
+                        {"WORLD_SIZE", "8"},
+                        {"LOCAL_RANK", "1"},
+                        {"LOCAL_WORLD_SIZE", "2"},
+                        {"MASTER_ADDR", "node0"},
+                        {"MASTER_PORT", "29501"}};
 
 TEST(Environment, NoLauncherVariablesMeansAPlainProcess) {
   EXPECT_FALSE(mdist::detect_launch_env(table({})).has_value());
@@ -61,12 +64,11 @@ TEST(Environment, ListenFdFromTheLauncherIsRankZerosOnly) {
 }
 
 TEST(Environment, OpenMPI) {
-  const auto env = mdist::detect_launch_env(
-      table({{"OMPI_COMM_WORLD_RANK", "5"},
-             {"OMPI_COMM_WORLD_SIZE", "6"},
-             {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
-             {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"},
-             {"MASTER_ADDR", "10.1.2.3"}}));
+  const auto env = mdist::detect_launch_env(table({{"OMPI_COMM_WORLD_RANK", "5"},
+                                                   {"OMPI_COMM_WORLD_SIZE", "6"},
+                                                   {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
+                                                   {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"},
+                                                   {"MASTER_ADDR", "10.1.2.3"}}));
   ASSERT_TRUE(env);
   EXPECT_EQ(env->source, mdist::LaunchSource::kOpenMPI);
   EXPECT_EQ(env->rank, 5);
@@ -94,9 +96,12 @@ TEST(Environment, PMI) {
 }
 
 TEST(Environment, SlurmTasksPerNode) {
-  const Vars base = {{"SLURM_PROCID", "9"},          {"SLURM_NTASKS", "11"},
-                     {"SLURM_LOCALID", "1"},         {"SLURM_NODEID", "2"},
-                     {"SLURM_TASKS_PER_NODE", "4(x2),3"}, {"MASTER_ADDR", "n0"}};
+  const Vars base = {{"SLURM_PROCID", "9"},
+                     {"SLURM_NTASKS", "11"},
+                     {"SLURM_LOCALID", "1"},
+                     {"SLURM_NODEID", "2"},
+                     {"SLURM_TASKS_PER_NODE", "4(x2),3"},
+                     {"MASTER_ADDR", "n0"}};
   const auto env = mdist::detect_launch_env(table(base));
   ASSERT_TRUE(env);
   EXPECT_EQ(env->source, mdist::LaunchSource::kSlurm);
@@ -136,10 +141,12 @@ TEST(Environment, BadValuesAreOneClearLine) {
   EXPECT_EQ(error_of(vars), "mdist: invalid MASTER_PORT='70000': expected a port in 1..65535");
   vars = kTorchrun;
   vars.erase("MASTER_ADDR");
-  EXPECT_EQ(error_of(vars), "mdist: launched with torchrun-style variables but MASTER_ADDR is not set");
+  EXPECT_EQ(error_of(vars),
+            "mdist: launched with torchrun-style variables but MASTER_ADDR is not set");
   vars = kTorchrun;
   vars.erase("WORLD_SIZE");
-  EXPECT_EQ(error_of(vars), "mdist: launched with torchrun-style variables but WORLD_SIZE is not set");
+  EXPECT_EQ(error_of(vars),
+            "mdist: launched with torchrun-style variables but WORLD_SIZE is not set");
 }
 
 TEST(Environment, MpiAndSlurmNeedAMasterAddress) {
@@ -148,7 +155,9 @@ TEST(Environment, MpiAndSlurmNeedAMasterAddress) {
             "SetupOptions::master_addr");
   EXPECT_THAT(error_of({{"OMPI_COMM_WORLD_RANK", "0"}}),
               HasSubstr("launched by Open MPI but OMPI_COMM_WORLD_SIZE is not set"));
-  EXPECT_THAT(error_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"MASTER_ADDR", "a"},
+  EXPECT_THAT(error_of({{"SLURM_PROCID", "0"},
+                        {"SLURM_NTASKS", "2"},
+                        {"MASTER_ADDR", "a"},
                         {"SLURM_TASKS_PER_NODE", "2(x"}}),
               HasSubstr("invalid SLURM_TASKS_PER_NODE='2(x'"));
 }

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "mdist/mdist.h"
+#include "tests/support/error_of.h"
 
 namespace {
 
@@ -13,22 +14,15 @@ using ::testing::HasSubstr;
 class SingleProcess : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    for (const char* name : {"RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    for (const char* name :
+         {"RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}) {
       ::unsetenv(name);
     }
     ASSERT_FALSE(mdist::setup(std::chrono::seconds(5)));
   }
 };
 
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const mdist::Error& error) {
-    return error.what();
-  }
-  return "no error";
-}
+using mdist::testing::error_of;
 
 TEST_F(SingleProcess, SpecSemantics) {
   EXPECT_TRUE(mdist::is_available());
@@ -73,7 +67,8 @@ TEST_F(SingleProcess, DistributedProcessGroup) {
   EXPECT_EQ(unused.to_string(), "DistributedProcessGroup(group=not used, rank=-1, world_size=-1)");
   // The op sees the gathered list of one; unused groups are skipped.
   const auto twice = [](const std::vector<int>& values) { return values.at(0) * 2; };
-  EXPECT_EQ(mdist::DistributedProcessGroup::get_dist_syncd_obj(3, {world, unused, world}, twice), 12);
+  EXPECT_EQ(mdist::DistributedProcessGroup::get_dist_syncd_obj(3, {world, unused, world}, twice),
+            12);
   EXPECT_EQ(mdist::DistributedProcessGroup::get_dist_syncd_obj(3, unused, twice), 3);
 }
 
@@ -118,9 +113,11 @@ TEST(ParallelLayout, MegatronOrder) {
 TEST(ParallelLayout, SizesThatDoNotFit) {
   EXPECT_THAT(error_of([] { mdist::parallel_layout(6, {.tensor_parallel = 4}); }),
               HasSubstr("world size 6 is not divisible by tensor_parallel 4"));
-  EXPECT_THAT(error_of([] { mdist::parallel_layout(8, {.tensor_parallel = 2, .expert_model_parallel = 3}); }),
-              HasSubstr("data parallel size 4 (world size 8 / tensor_parallel 2) is not divisible by "
-                        "expert_model_parallel 3"));
+  EXPECT_THAT(
+      error_of(
+          [] { mdist::parallel_layout(8, {.tensor_parallel = 2, .expert_model_parallel = 3}); }),
+      HasSubstr("data parallel size 4 (world size 8 / tensor_parallel 2) is not divisible by "
+                "expert_model_parallel 3"));
   EXPECT_THAT(error_of([] { mdist::parallel_layout(4, {.tensor_parallel = 0}); }),
               HasSubstr("tensor_parallel must be at least 1, got 0"));
 }

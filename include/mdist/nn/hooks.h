@@ -73,44 +73,42 @@ template <class M>
 torch::nn::Module& base_of(M& module) {
   return static_cast<torch::nn::Module&>(module);
 }
+
+// Runs `invoke(args...)` for `module` with its hooks around it. The arguments are copied
+// into a tuple only when hooks exist, so that pre-hooks can replace tensors in it.
+template <class R, class Invoke, class... Args>
+R run_with_hooks(torch::nn::Module& module, Invoke&& invoke, Args&&... args) {
+  if (!any_hooks() || !has_hooks(module)) return invoke(std::forward<Args>(args)...);
+  std::tuple<std::decay_t<Args>...> arguments(std::forward<Args>(args)...);
+  TensorRefs inputs;
+  collect(inputs, arguments);
+  run_pre_hooks(module, inputs);
+  R result = std::apply([&](auto&... a) -> R { return invoke(a...); }, arguments);
+  TensorRefs outputs;
+  collect(outputs, result);
+  run_post_hooks(module, outputs);
+  return result;
+}
 }  // namespace detail
 
 // Runs `body` (a member function of `module`) with `module`'s forward hooks around it.
 template <class M, class R, class C, class... Params, class... Args>
 R hooked(M& module, R (C::*body)(Params...), Args&&... args) {
-  torch::nn::Module& base = detail::base_of(module);
-  if (!detail::any_hooks() || !has_hooks(base)) {
-    return (module.*body)(std::forward<Args>(args)...);
-  }
-  std::tuple<std::decay_t<Args>...> arguments(std::forward<Args>(args)...);
-  TensorRefs inputs;
-  detail::collect(inputs, arguments);
-  detail::run_pre_hooks(base, inputs);
-  R result = std::apply([&](auto&... a) -> R { return (module.*body)(a...); }, arguments);
-  TensorRefs outputs;
-  detail::collect(outputs, result);
-  detail::run_post_hooks(base, outputs);
-  return result;
+  return detail::run_with_hooks<R>(
+      detail::base_of(module),
+      [&](auto&&... a) -> R { return (module.*body)(std::forward<decltype(a)>(a)...); },
+      std::forward<Args>(args)...);
 }
 
 // Calls `module`'s forward (a ModuleHolder, a shared_ptr or a module) with its hooks.
 template <class Holder, class... Args>
 auto call(Holder& holder, Args&&... args) {
   auto& module = *holder;
-  using M = std::remove_reference_t<decltype(module)>;
   using R = decltype(module.forward(std::forward<Args>(args)...));
-  torch::nn::Module& base = detail::base_of(module);
-  if (!detail::any_hooks() || !has_hooks(base)) return module.forward(std::forward<Args>(args)...);
-  std::tuple<std::decay_t<Args>...> arguments(std::forward<Args>(args)...);
-  TensorRefs inputs;
-  detail::collect(inputs, arguments);
-  detail::run_pre_hooks(base, inputs);
-  R result = std::apply([&](auto&... a) -> R { return static_cast<M&>(module).forward(a...); },
-                        arguments);
-  TensorRefs outputs;
-  detail::collect(outputs, result);
-  detail::run_post_hooks(base, outputs);
-  return result;
+  return detail::run_with_hooks<R>(
+      detail::base_of(module),
+      [&](auto&&... a) -> R { return module.forward(std::forward<decltype(a)>(a)...); },
+      std::forward<Args>(args)...);
 }
 
 }  // namespace mdist::nn

@@ -84,10 +84,8 @@ class ByteWriter {
     std::memcpy(buffer_.data() + old_size, data, size);
   }
   template <class T>
-    requires std::is_trivially_copyable_v<T>
-  void write_raw(const T& value) {
-    write(&value, sizeof(T));
-  }
+  requires std::is_trivially_copyable_v<T>
+  void write_raw(const T& value) { write(&value, sizeof(T)); }
   void write_tag(Tag tag) { buffer_.push_back(static_cast<std::uint8_t>(tag)); }
   void write_length(std::size_t length) { write_raw(static_cast<std::uint64_t>(length)); }
 
@@ -117,8 +115,7 @@ class ByteReader {
     return view;
   }
   template <class T>
-    requires std::is_trivially_copyable_v<T>
-  T read_raw() {
+  requires std::is_trivially_copyable_v<T> T read_raw() {
     T value;
     read(&value, sizeof(T));
     return value;
@@ -128,8 +125,8 @@ class ByteReader {
     const std::size_t at = offset_;
     const auto tag = read_raw<std::uint8_t>();
     if (tag != static_cast<std::uint8_t>(expected)) {
-      throw DecodeError("mdist: object buffer holds " + std::string(tag_name(tag)) +
-                        " at offset " + std::to_string(at) + " where " + type +
+      throw DecodeError("mdist: object buffer holds " + std::string(tag_name(tag)) + " at offset " +
+                        std::to_string(at) + " where " + type +
                         " was expected (did every rank send the same type?)");
     }
   }
@@ -178,15 +175,17 @@ concept Encodable = requires(ByteWriter& out, ByteReader& in, const T& value) {
 
 template <class T>
 void encode(ByteWriter& out, const T& value) {
-  static_assert(Encodable<T>,
-                "mdist: no Codec for this type; specialise mdist::Codec<T> (see mdist/objects/codec.h)");
+  static_assert(
+      Encodable<T>,
+      "mdist: no Codec for this type; specialise mdist::Codec<T> (see mdist/objects/codec.h)");
   Codec<T>::encode(out, value);
 }
 
 template <class T>
 T decode(ByteReader& in) {
-  static_assert(Encodable<T>,
-                "mdist: no Codec for this type; specialise mdist::Codec<T> (see mdist/objects/codec.h)");
+  static_assert(
+      Encodable<T>,
+      "mdist: no Codec for this type; specialise mdist::Codec<T> (see mdist/objects/codec.h)");
   return Codec<T>::decode(in);
 }
 
@@ -252,7 +251,7 @@ constexpr const char* scalar_name() {
 }  // namespace detail
 
 template <class T>
-  requires std::is_arithmetic_v<T>
+requires std::is_arithmetic_v<T>
 struct Codec<T> {
   static void encode(ByteWriter& out, const T& value) {
     out.write_tag(detail::scalar_tag<T>());
@@ -283,7 +282,7 @@ struct Codec<T> {
 // Only enums with a fixed underlying type (every enum class, or `enum E : int`): decoding an
 // out-of-range value into an enum without one would be undefined behaviour.
 template <class T>
-  requires std::is_enum_v<T> && requires(std::underlying_type_t<T> u) { T{u}; }
+requires std::is_enum_v<T> && requires(std::underlying_type_t<T> u) { T{u}; }
 struct Codec<T> {
   using Underlying = std::underlying_type_t<T>;
   static void encode(ByteWriter& out, const T& value) {
@@ -375,7 +374,9 @@ namespace detail {
 template <class C>
 struct SequenceCodec {
   using T = typename C::value_type;
-  static void encode(ByteWriter& out, const C& value) { encode_elements(out, value, Tag::kSequence); }
+  static void encode(ByteWriter& out, const C& value) {
+    encode_elements(out, value, Tag::kSequence);
+  }
   static C decode(ByteReader& in) {
     in.expect_tag(Tag::kSequence, "a sequence");
     const auto count = in.read_length(1, "sequence");
