@@ -1,8 +1,12 @@
 #pragma once
-// mdist: the spec's distributed utilities for C++ programs on libtorch.
+// mdist: the spec's distributed utilities and FSDP2 for C++ programs on libtorch.
+// Layer by layer: runtime (joining a job), groups, object collectives, nn hooks, fsdp.
 #include "mdist/error.h"                             // IWYU pragma: export
+#include "mdist/fsdp/fully_shard.h"                  // IWYU pragma: export
+#include "mdist/fsdp/state_dict.h"                   // IWYU pragma: export
 #include "mdist/groups/distributed_process_group.h"  // IWYU pragma: export
 #include "mdist/groups/parallel_state.h"             // IWYU pragma: export
+#include "mdist/nn/hooks.h"                          // IWYU pragma: export
 #include "mdist/objects/codec.h"                     // IWYU pragma: export
 #include "mdist/objects/collectives.h"               // IWYU pragma: export
 #include "mdist/runtime/environment.h"               // IWYU pragma: export
