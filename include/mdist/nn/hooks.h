@@ -74,11 +74,31 @@ torch::nn::Module& base_of(M& module) {
   return static_cast<torch::nn::Module&>(module);
 }
 
+// The module whose hooked call is running on this thread. A module whose forward is itself
+// hooked() and that its parent reaches through call() would otherwise run its hooks twice.
+inline thread_local const torch::nn::Module* hooks_running_for = nullptr;
+
+class HooksRunningFor {
+ public:
+  explicit HooksRunningFor(const torch::nn::Module& module) : saved_(hooks_running_for) {
+    hooks_running_for = &module;
+  }
+  ~HooksRunningFor() { hooks_running_for = saved_; }
+  HooksRunningFor(const HooksRunningFor&) = delete;
+  HooksRunningFor& operator=(const HooksRunningFor&) = delete;
+
+ private:
+  const torch::nn::Module* saved_;
+};
+
 // Runs `invoke(args...)` for `module` with its hooks around it. The arguments are copied
 // into a tuple only when hooks exist, so that pre-hooks can replace tensors in it.
 template <class R, class Invoke, class... Args>
 R run_with_hooks(torch::nn::Module& module, Invoke&& invoke, Args&&... args) {
-  if (!any_hooks() || !has_hooks(module)) return invoke(std::forward<Args>(args)...);
+  if (!any_hooks() || hooks_running_for == &module || !has_hooks(module)) {
+    return invoke(std::forward<Args>(args)...);
+  }
+  const HooksRunningFor running(module);
   std::tuple<std::decay_t<Args>...> arguments(std::forward<Args>(args)...);
   TensorRefs inputs;
   collect(inputs, arguments);

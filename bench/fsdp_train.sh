@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# FSDP training of a ~27.5 M parameter Llama-shaped stack (8 layers, hidden 512) on 1, 2 and
+# 4 ranks: mdist's fully_shard (C++, bench/fsdp_train.cpp through mdistrun) beside PyTorch's
+# own fully_shard (Python, bench/fsdp_train.py through torchrun, the same torch version), the
+# same model, initial weights, data and steps, as one table with C++/Python ratios and the
+# sharding bars.
+#   bench/fsdp_train.sh [timed_steps=8]
+# Environment: BUILD_DIR (default build), RANKS ("1 2 4"), WARMUP (3), GLOBAL_BATCH (4
+# sequences, split over the ranks), SEQ_LEN (128), RUN_TIMEOUT (600 s per run, so that a hung
+# job becomes a failed row), MDIST_CACHE (where the bench venv lives).
+# Needs a build (scripts/setup.sh) and creates a bench-only venv with torch on first use.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+steps="${1:-8}"
+build="${BUILD_DIR:-build}"
+ranks="${RANKS:-1 2 4}"
+warmup="${WARMUP:-3}"
+batch="${GLOBAL_BATCH:-4}"
+seq_len="${SEQ_LEN:-128}"
+run_timeout="${RUN_TIMEOUT:-600}"
+cache="${MDIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mdist}"
+venv="$cache/bench-venv"
+began=$SECONDS
+
+cmake --build "$build" --target fsdp_train mdistrun >/dev/null || { echo "build failed in $build" >&2; exit 1; }
+python_ok=1
+if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import torch, numpy" 2>/dev/null; then
+  { python3 -m venv "$venv" && "$venv/bin/pip" install -q -r bench/requirements.txt; } ||
+    { python_ok=0; echo "bench venv setup failed; Python rows will show the error" >&2; }
+fi
+
+# One thread per rank on both sides: the ranks share this machine's cores, and torch would
+# otherwise start a full thread pool in every rank.
+export OMP_NUM_THREADS=1
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+results="$work/results.jsonl"
+
+# run IMPL WORLD COMMAND...: appends the run's JSON line, or one describing its failure.
+run() {
+  local impl="$1" world="$2" log="$work/$1-$2.log"
+  shift 2
+  local start=$SECONDS
+  # Both launchers pass SIGTERM on to their ranks.
+  timeout --kill-after=30 "$run_timeout" "$@" >"$log" 2>&1
+  local rc=$?
+  [[ $rc -eq 124 ]] && echo "bench: timed out after $run_timeout s" >>"$log"
+  local line
+  line="$(sed 's/^\[rank0\]: //' "$log" | grep '^{' | tail -n 1)"
+  if [[ $rc -ne 0 || -z "$line" ]]; then
+    local why
+    # The first line that names the cause: our own "bench:" errors, an exception's message,
+    # not the launchers' summaries of which rank failed.
+    why="$(grep -E 'bench:|[A-Za-z]+(Error|Exception)\b:' "$log" | grep -vE 'ChildFailedError|elastic' |
+      head -n 1 | sed 's/^\[rank[0-9]*\]: //')"
+    [[ -z "$why" ]] && why="$(tail -n 1 "$log")"
+    echo "---- $impl on $world ranks failed (exit $rc); last lines of its output:" >&2
+    tail -n 15 "$log" >&2
+    IMPL="$impl" WORLD="$world" RC="$rc" WHY="$why" python3 -c '
+import json, os
+print(json.dumps({"impl": os.environ["IMPL"], "world": int(os.environ["WORLD"]),
+                  "error": "exit %s: %s" % (os.environ["RC"], os.environ["WHY"][:160])}))' >>"$results"
+  else
+    echo "$line" >>"$results"
+  fi
+  echo "$impl, $world rank(s): $((SECONDS - start)) s" >&2
+}
+
+for world in $ranks; do
+  run "mdist (C++)" "$world" "$build/bin/mdistrun" --nproc-per-node "$world" \
+    "$build/bin/fsdp_train" "$steps" "$warmup" "$batch" "$seq_len"
+  if [[ $python_ok -eq 1 ]]; then
+    run "torch FSDP2 (Python)" "$world" "$venv/bin/python" -m torch.distributed.run --standalone \
+      --nproc-per-node "$world" bench/fsdp_train.py "$steps" "$warmup" "$batch" "$seq_len"
+  else
+    echo '{"impl": "torch FSDP2 (Python)", "world": '"$world"', "error": "no bench venv"}' >>"$results"
+  fi
+done
+
+python3 - "$results" "$steps" "$warmup" "$batch" "$seq_len" "$(getconf _NPROCESSORS_ONLN)" "$((SECONDS - began))" <<'PY'
+import json, math, sys
+path, steps, warmup, batch, seq_len, cores, elapsed = sys.argv[1:]
+rows = [json.loads(line) for line in open(path) if line.startswith("{")]
+MIB = 1024 * 1024
+CPP, PY = "mdist (C++)", "torch FSDP2 (Python)"
+ok = [r for r in rows if "error" not in r]
+params = sorted({r["params"] for r in ok})
+print(f"FSDP training, Llama-shaped stack: {params[0] if params else '?'} parameters "
+      f"(8 layers, hidden 512, 8 heads, SwiGLU 1536, vocab 256), fp32, AdamW lr 1e-3")
+print(f"global batch {batch} x {seq_len} tokens split over the ranks; {warmup} warm-up + {steps} "
+      f"timed steps, median step (slowest rank); OMP_NUM_THREADS=1 per rank on {cores} cores")
+print("units: each decoder layer, then the root (reshard_after_forward=True); Gloo on "
+      "loopback, CPU; both sides start from the same weights and see the same tokens")
+if sorted({r["threads"] for r in ok}) not in ([], [1]):
+    print(f"WARNING: torch intra-op threads per rank were {sorted({r['threads'] for r in ok})}, not 1")
+checksums = [r["init_checksum"] for r in ok]
+if len(params) > 1 or (checksums and not all(math.isclose(c, checksums[0], rel_tol=1e-9) for c in checksums)):
+    print(f"WARNING: the runs built different models: params {params}, init checksums {checksums}")
+print()
+
+def bar(good):
+    return "ok" if good else "FAIL"
+
+head = (f"{'ranks':>5} {'impl':<20} {'step s':>7} {'fwd/bwd/opt s':>15} {'tokens/s':>8} "
+        f"{'peak RSS MiB':>12} {'RSS per rank':<20} {'persist MiB':>11} {'vs total/W':>12} "
+        f"{'full params at once':>24} {'first loss':>10} {'last loss':>10}")
+print(head)
+print("-" * len(head))
+by, failed_bars = {}, []
+for r in rows:
+    by[(r["world"], r["impl"])] = r
+    if "error" in r:
+        print(f"{r['world']:>5} {r['impl']:<20} FAILED: {r['error']}")
+        continue
+    rss = r["peak_rss_mib"]
+    persist = max(r["persistent_bytes"])
+    expected = r["persistent_expected_bytes"]
+    worst = max(abs(p / expected - 1) for p in r["persistent_bytes"])
+    persist_ok = worst <= 0.05 + r["padding_allowance_bytes"] / expected
+    layers = int(r["max_full_layer_units"])
+    root = int(r["max_full_units"]) - layers
+    units_ok = layers <= 2 and r["backward_probe_samples"] > 0
+    if r["impl"] == CPP and not (persist_ok and units_ok):
+        failed_bars.append(r["world"])
+    full = f"{'root+' if root else ''}{layers} ({r['max_full_param_mib']:.1f} MiB) {bar(units_ok)}"
+    phases = f"{r['forward_s']:.2f}/{r['backward_s']:.2f}/{r['optimizer_s']:.2f}"
+    print(f"{r['world']:>5} {r['impl']:<20} {r['step_s']:>7.3f} {phases:>15} {r['tokens_per_s']:>8.1f} "
+          f"{max(rss):>12.0f} {'/'.join(f'{x:.0f}' for x in rss):<20} {persist / MIB:>11.1f} "
+          f"{persist / expected:>7.3f} {bar(persist_ok):>4} {full:>24} "
+          f"{r['first_loss']:>10.5f} {r['last_loss']:>10.5f}")
+print()
+print(f"{'ranks':>5} {'C++ / Python':<20} {'step':>7} {'forward':>8} {'backward':>9} {'optimizer':>10} {'peak RSS':>9}")
+for world in sorted({r["world"] for r in rows}):
+    cpp, py = by.get((world, CPP)), by.get((world, PY))
+    if not cpp or not py or "error" in cpp or "error" in py:
+        print(f"{world:>5} {'':<20} {'n/a (a run failed)':>27}")
+        continue
+    ratio = lambda key: cpp[key] / py[key]
+    print(f"{world:>5} {'':<20} {ratio('step_s'):>7.2f} {ratio('forward_s'):>8.2f} "
+          f"{ratio('backward_s'):>9.2f} {ratio('optimizer_s'):>10.2f} "
+          f"{max(cpp['peak_rss_mib']) / max(py['peak_rss_mib']):>9.2f}")
+print()
+print("persist MiB = the largest per-rank sum of shards + gradients + AdamW exp_avg/exp_avg_sq "
+      "(from the optimizer state) between steps;\n  vs total/W: against 4 x parameter bytes / W "
+      "(what 1 rank holds, split W ways); bar: every rank within 5% (+ padding)")
+print("full params at once = most units holding full parameters at the same time (unsharded or "
+      "all-gather in flight), sampled at each\n  layer's forward and right after its backward: "
+      "root + decoder layers (MiB); bar: at most 2 layers (current + prefetched)")
+print("peak RSS = VmHWM of the whole process, max over ranks (includes building the full model "
+      "before sharding; on the Python side the interpreter and torch)")
+checked = sorted(r["world"] for r in ok if r["impl"] == CPP)
+unchecked = sorted(r["world"] for r in rows if r["impl"] == CPP and "error" in r)
+verdict = ("not checked" if not checked else "all met" if not failed_bars
+           else f"NOT met at {failed_bars} ranks")
+print(f"bars for mdist: {verdict}" + (f"; not checked at {unchecked} ranks (run failed)" if unchecked else ""))
+print(f"whole run: {elapsed} s")
+PY

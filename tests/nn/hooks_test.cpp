@@ -1,0 +1,69 @@
+// Forward hooks through mdist::nn::call and mdist::nn::hooked.
+#include "mdist/nn/hooks.h"
+
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+namespace {
+
+// A module whose own forward is hookable, with a child it calls through call().
+struct OuterImpl : torch::nn::Module {
+  OuterImpl() { inner = register_module("inner", torch::nn::Linear(3, 3)); }
+  at::Tensor forward(const at::Tensor& x) { return mdist::nn::hooked(*this, &OuterImpl::body, x); }
+  at::Tensor body(const at::Tensor& x) { return mdist::nn::call(inner, x) * 2; }
+  torch::nn::Linear inner{nullptr};
+};
+TORCH_MODULE(Outer);
+
+TEST(Hooks, RunAroundCallAndCanReplaceTensors) {
+  Outer outer;
+  std::vector<std::string> log;
+  auto pre = mdist::nn::register_forward_pre_hook(*outer->inner, [&](torch::nn::Module&, auto& in) {
+    log.push_back("pre");
+    *in.at(0) = at::zeros_like(*in.at(0));  // the child now sees zeros
+  });
+  auto post = mdist::nn::register_forward_hook(*outer->inner, [&](torch::nn::Module&, auto& out) {
+    log.push_back("post");
+    *out.at(0) = *out.at(0) + 1;
+  });
+  const at::Tensor x = torch::randn({2, 3});
+  const at::Tensor y = outer->forward(x);
+  EXPECT_EQ(log, (std::vector<std::string>{"pre", "post"}));
+  EXPECT_TRUE(at::allclose(y, (outer->inner->bias.expand({2, 3}) + 1) * 2));
+  pre.remove();
+  post.remove();
+  EXPECT_FALSE(mdist::nn::has_hooks(*outer->inner));
+  EXPECT_TRUE(at::allclose(outer->forward(x), outer->inner->forward(x) * 2));
+}
+
+TEST(Hooks, AHookedForwardReachedThroughCallRunsItsHooksOnce) {
+  Outer outer;
+  int calls = 0;
+  auto pre =
+      mdist::nn::register_forward_pre_hook(*outer, [&](torch::nn::Module&, auto&) { ++calls; });
+  outer->forward(torch::randn({1, 3}));  // called directly: hooked() runs the hooks
+  EXPECT_EQ(calls, 1);
+  mdist::nn::call(outer, torch::randn({1, 3}));  // call() then forward's hooked(): still once
+  EXPECT_EQ(calls, 2);
+  pre.remove();
+}
+
+TEST(Hooks, ADeadModulesHooksDoNotPassToANewOneAtItsAddress) {
+  int calls = 0;
+  const torch::nn::Module* address = nullptr;
+  {
+    auto linear = std::make_shared<torch::nn::LinearImpl>(2, 2);
+    address = linear.get();
+    mdist::nn::register_forward_pre_hook(*linear, [&](torch::nn::Module&, auto&) { ++calls; });
+  }
+  // Whatever lives at that address now, it has no hooks.
+  auto fresh = std::make_shared<torch::nn::LinearImpl>(2, 2);
+  if (fresh.get() == address) {
+    EXPECT_FALSE(mdist::nn::has_hooks(*fresh));
+  }
+  mdist::nn::call(fresh, torch::randn({1, 2}));
+  EXPECT_EQ(calls, 0);
+}
+
+}  // namespace
