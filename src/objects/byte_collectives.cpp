@@ -58,6 +58,35 @@ int check_broadcast_source(int src, const Group& group) {
   return static_cast<int>(it - members.begin());
 }
 
+namespace {
+
+// Small objects (the common case: an amax, a flag, a short record) travel in one collective:
+// each rank's slot carries its length and, when it fits, its bytes. Only a larger object
+// costs a second collective with the exact longest size.
+constexpr std::int64_t kInlineBytes = 504;
+constexpr std::int64_t kSlotBytes = 8 + kInlineBytes;
+
+at::Tensor slot_of(std::span<const std::uint8_t> bytes, const c10::Device& device) {
+  at::Tensor slot = at::zeros({kSlotBytes}, at::TensorOptions().dtype(at::kByte));
+  const auto length = static_cast<std::int64_t>(bytes.size());
+  auto* const data = slot.data_ptr<std::uint8_t>();
+  std::memcpy(data, &length, sizeof(length));
+  if (length <= kInlineBytes && length > 0) std::memcpy(data + 8, bytes.data(), bytes.size());
+  return slot.to(device);
+}
+
+std::int64_t slot_length(const std::uint8_t* slot, const char* op, std::int64_t rank) {
+  std::int64_t length = 0;
+  std::memcpy(&length, slot, sizeof(length));
+  if (length < 0) {
+    throw DecodeError("mdist: " + std::string(op) + ": rank " + std::to_string(rank) +
+                      " announced an invalid object size " + std::to_string(length));
+  }
+  return length;
+}
+
+}  // namespace
+
 std::vector<std::vector<std::uint8_t>> allgather_bytes(std::span<const std::uint8_t> bytes,
                                                        const Group& group, const char* op) {
   const auto state = resolve(group, op);
@@ -66,30 +95,36 @@ std::vector<std::vector<std::uint8_t>> allgather_bytes(std::span<const std::uint
   const auto device = state->object_device;
   auto& pg = *state->pg;
 
-  at::Tensor my_size =
-      at::full({1}, static_cast<std::int64_t>(bytes.size()), at::TensorOptions().dtype(at::kLong))
-          .to(device);
-  at::Tensor sizes = at::empty({world}, at::TensorOptions().dtype(at::kLong).device(device));
-  wait_work(pg.all_gather_single(sizes, my_size), *state, op);
-  sizes = sizes.to(c10::kCPU);
-  const std::int64_t* const size_of = sizes.data_ptr<std::int64_t>();
-  const std::int64_t longest = *std::max_element(size_of, size_of + world);
+  at::Tensor my_slot = slot_of(bytes, device);
+  at::Tensor slots =
+      at::empty({world * kSlotBytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  wait_work(pg.all_gather_single(slots, my_slot), *state, op);
+  slots = slots.to(c10::kCPU);
+  const auto* const slot_data = slots.data_ptr<std::uint8_t>();
+  std::vector<std::int64_t> length(static_cast<std::size_t>(world));
+  for (std::int64_t r = 0; r < world; ++r) {
+    length[static_cast<std::size_t>(r)] = slot_length(slot_data + r * kSlotBytes, op, r);
+  }
+  const std::int64_t longest = *std::max_element(length.begin(), length.end());
 
+  std::vector<std::vector<std::uint8_t>> result(static_cast<std::size_t>(world));
+  if (longest <= kInlineBytes) {
+    for (std::int64_t r = 0; r < world; ++r) {
+      const auto* const begin = slot_data + r * kSlotBytes + 8;
+      result[static_cast<std::size_t>(r)].assign(begin,
+                                                 begin + length[static_cast<std::size_t>(r)]);
+    }
+    return result;
+  }
   at::Tensor input = byte_tensor(bytes, longest, device);
   at::Tensor output =
       at::empty({world * longest}, at::TensorOptions().dtype(at::kByte).device(device));
   wait_work(pg.all_gather_single(output, input), *state, op);
   output = output.to(c10::kCPU);
-
-  std::vector<std::vector<std::uint8_t>> result(static_cast<std::size_t>(world));
   const auto* const data = output.data_ptr<std::uint8_t>();
   for (std::int64_t r = 0; r < world; ++r) {
-    if (size_of[r] < 0 || size_of[r] > longest) {
-      throw DecodeError("mdist: " + std::string(op) + ": rank " + std::to_string(r) +
-                        " announced an invalid object size " + std::to_string(size_of[r]));
-    }
     const auto* const begin = data + r * longest;
-    result[static_cast<std::size_t>(r)].assign(begin, begin + size_of[r]);
+    result[static_cast<std::size_t>(r)].assign(begin, begin + length[static_cast<std::size_t>(r)]);
   }
   return result;
 }
@@ -104,19 +139,20 @@ std::vector<std::uint8_t> broadcast_bytes(std::span<const std::uint8_t> bytes, i
   c10d::BroadcastOptions options;
   options.rootRank = group_src;
   options.timeout = state->timeout;
+  const bool is_source = state->group_rank == group_src;
 
-  std::vector<at::Tensor> size_tensor = {
-      at::full({1}, static_cast<std::int64_t>(bytes.size()), at::TensorOptions().dtype(at::kLong))
-          .to(device)};
-  wait_work(pg.broadcast(size_tensor, options), *state, "broadcast");
-  const std::int64_t length = size_tensor[0].to(c10::kCPU).item<std::int64_t>();
-  if (length < 0)
-    throw DecodeError("mdist: broadcast: invalid object size " + std::to_string(length));
+  std::vector<at::Tensor> slot = {
+      is_source ? slot_of(bytes, device)
+                : at::empty({kSlotBytes}, at::TensorOptions().dtype(at::kByte).device(device))};
+  wait_work(pg.broadcast(slot, options), *state, "broadcast");
+  const at::Tensor host_slot = slot[0].to(c10::kCPU);
+  const auto* const slot_data = host_slot.data_ptr<std::uint8_t>();
+  const std::int64_t length = slot_length(slot_data, "broadcast", group_src);
+  if (length <= kInlineBytes) return {slot_data + 8, slot_data + 8 + length};
 
   std::vector<at::Tensor> data = {
-      state->group_rank == group_src
-          ? byte_tensor(bytes, length, device)
-          : at::empty({length}, at::TensorOptions().dtype(at::kByte).device(device))};
+      is_source ? byte_tensor(bytes, length, device)
+                : at::empty({length}, at::TensorOptions().dtype(at::kByte).device(device))};
   wait_work(pg.broadcast(data, options), *state, "broadcast");
   const at::Tensor host = data[0].to(c10::kCPU);
   const auto* const begin = host.data_ptr<std::uint8_t>();
