@@ -1,0 +1,173 @@
+#include "mdist/hf/fsdp2_wrap.h"
+
+#include <ATen/ATen.h>
+
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <typeinfo>
+
+#include "mdist/error.h"
+#include "mdist/runtime/runtime.h"
+
+namespace mdist {
+namespace {
+
+std::shared_ptr<torch::nn::Module> child(const std::shared_ptr<torch::nn::Module>& module,
+                                         const std::string& name) {
+  for (const auto& item : module->named_children()) {
+    if (item.key() == name) return item.value();
+  }
+  return nullptr;
+}
+
+std::shared_ptr<torch::nn::Module> path(std::shared_ptr<torch::nn::Module> module,
+                                        const std::vector<std::string>& names) {
+  for (const auto& name : names) {
+    if (!module) return nullptr;
+    module = child(module, name);
+  }
+  return module;
+}
+
+// The children of a layer container, if they are all of one module type.
+std::vector<std::shared_ptr<torch::nn::Module>> homogeneous_children(
+    const std::shared_ptr<torch::nn::Module>& container) {
+  std::vector<std::shared_ptr<torch::nn::Module>> layers;
+  if (!container) return layers;
+  for (const auto& layer : container->children()) {
+    if (!layers.empty() && typeid(*layer) != typeid(*layers.front())) return {};
+    layers.push_back(layer);
+  }
+  return layers;
+}
+
+std::shared_ptr<torch::nn::Module> shared_of(torch::nn::Module& model) {
+  try {
+    return model.shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    // A module not held by a shared_ptr: a non-owning handle that is enough to walk it.
+    return std::shared_ptr<torch::nn::Module>(&model, [](torch::nn::Module*) {});
+  }
+}
+
+std::string dtype_name(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kFloat:
+      return "float32";
+    case c10::kBFloat16:
+      return "bfloat16";
+    case c10::kHalf:
+      return "float16";
+    case c10::kDouble:
+      return "float64";
+    default:
+      return c10::toString(dtype);
+  }
+}
+
+}  // namespace
+
+std::vector<std::shared_ptr<torch::nn::Module>> get_decoder_layers(torch::nn::Module& model) {
+  const auto root = shared_of(model);
+  // The reference's walk: model -> language_model -> layers, each step taken when present.
+  auto node = root;
+  if (auto inner = child(node, "model")) node = inner;
+  if (auto language = child(node, "language_model")) node = language;
+  if (auto layers = homogeneous_children(child(node, "layers")); !layers.empty()) return layers;
+  for (const auto& layout : std::vector<std::vector<std::string>>{{"transformer", "h"},
+                                                                  {"gpt_neox", "layers"},
+                                                                  {"model", "decoder", "layers"},
+                                                                  {"backbone", "layers"}}) {
+    if (auto layers = homogeneous_children(path(root, layout)); !layers.empty()) return layers;
+  }
+  return {};
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
+    torch::nn::Module& model, bool shard_root, const std::optional<MixedPrecisionPolicy>& mp_policy,
+    bool cpu_offload) {
+  auto layers = get_decoder_layers(model);
+  if (layers.empty()) {
+    throw Error(
+        "Could not auto-detect decoder layers; FSDP2 wrap requires a standard HF causal-LM "
+        "layout.");
+  }
+  // The dominant dtype by element count, not by parameter count: a few small fp32 norms do
+  // not outvote one large bf16 embedding.
+  std::map<c10::ScalarType, int64_t> elements;
+  int64_t total = 0;
+  const auto named = model.named_parameters();
+  for (const auto& item : named) {
+    elements[item.value().scalar_type()] += item.value().numel();
+    total += item.value().numel();
+  }
+  c10::ScalarType dominant = c10::kFloat;
+  int64_t most = -1;
+  for (const auto& [dtype, count] : elements) {
+    if (count > most) {
+      dominant = dtype;
+      most = count;
+    }
+  }
+
+  FullyShardOptions options;
+  options.reshard_after_forward = true;
+  if (mp_policy) options.mp_policy = *mp_policy;
+  if (cpu_offload) options.offload_policy = CPUOffloadPolicy{};
+  const c10::Device device =
+      cpu_offload ? (at::hasCUDA() ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU))
+                  : (named.is_empty() ? c10::Device(c10::kCPU) : named[0].value().device());
+  std::vector<std::string> odd_names;
+  int64_t odd_elements = 0;
+  {
+    const at::NoGradGuard no_grad;
+    for (const auto& item : named) {
+      at::Tensor param = item.value();
+      if (param.scalar_type() == dominant) continue;
+      // Replicated and whole: it must live where forward runs.
+      if (param.device() != device) param.set_data(param.data().to(device));
+      options.ignored_params.push_back(param);
+      odd_names.push_back(item.key() + " (" + dtype_name(param.scalar_type()) + ")");
+      odd_elements += param.numel();
+    }
+  }
+  if (!odd_names.empty() && is_master()) {
+    std::ostringstream warning;
+    warning << "mdist: fsdp2_wrap: " << odd_names.size() << " parameter(s) differ from the model's "
+            << dtype_name(dominant) << " and stay replicated and unsharded: ";
+    for (std::size_t i = 0; i < odd_names.size() && i < 3; ++i) {
+      warning << (i ? ", " : "") << odd_names[i];
+    }
+    if (odd_names.size() > 3) warning << ", ...";
+    warning << " (" << std::fixed << std::setprecision(2)
+            << (total > 0 ? 100.0 * static_cast<double>(odd_elements) / static_cast<double>(total)
+                          : 0.0)
+            << "% of the elements)";
+    std::cerr << warning.str() << std::endl;
+  }
+
+  // A module whose parameters are all kept whole has nothing to shard.
+  const auto has_shardable = [&](torch::nn::Module& module) {
+    for (const auto& param : module.parameters()) {
+      if (param.scalar_type() == dominant && !fsdp_handle(module)) return true;
+    }
+    return false;
+  };
+  for (const auto& layer : layers) {
+    if (has_shardable(*layer)) fully_shard(*layer, options);
+  }
+  if (shard_root) {
+    try {
+      fully_shard(model, options);
+    } catch (const Error&) {
+      // Every root parameter belongs to a layer or is kept whole: nothing left to shard.
+      if (is_fsdp2_model(model)) return layers;
+      throw;
+    }
+  }
+  return layers;
+}
+
+}  // namespace mdist
