@@ -59,6 +59,15 @@ std::shared_ptr<FsdpUnit> live_unit(Registry& r, const torch::nn::Module* module
   return it->second;
 }
 
+// Drops the units of modules that no longer exist, freeing their shards.
+void sweep_dead_units(Registry& r) {
+  std::erase_if(r.by_module, [&](const auto& entry) {
+    const bool dead = entry.second->owner_tracked && entry.second->owner.expired();
+    if (dead) r.by_id.erase(entry.second->id);
+    return dead;
+  });
+}
+
 // At the end of a backward pass: finish every unit whose post-backward did not run (its
 // inputs needed no gradient, e.g. the root taking token ids).
 void finish_backward() {
@@ -256,6 +265,7 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
   auto& r = detail::registry();
   {
     const std::lock_guard lock(r.mutex);
+    detail::sweep_dead_units(r);
     if (detail::live_unit(r, &module)) {
       throw Error("mdist: fully_shard: " + detail::module_label(module) +
                   " is already wrapped; wrap each module once");
