@@ -8,6 +8,7 @@ packages=(
   libbenchmark-dev                  # bench/
   libgloo-dev                       # Gloo headers: the torch wheel ships libgloo inside libtorch_cpu, no headers
   libcli11-dev                      # command-line parsing (mdistrun)
+  nlohmann-json3-dev                # JSON (safetensors headers, src/hf/)
   clang libclang-rt-14-dev          # libFuzzer targets (fuzz/)
 )
 

@@ -3,11 +3,12 @@
 # budget. CI calls it; it exits non-zero when the fuzzer finds a crash, a sanitizer report,
 # a leak, an input over the memory limit or a hang.
 #
-#   scripts/run_fuzz.sh                      # 60 s
+#   scripts/run_fuzz.sh                      # 60 s per fuzzer
 #   MDIST_FUZZ_SECONDS=600 scripts/run_fuzz.sh
 #
 # Environment:
-#   MDIST_FUZZ_SECONDS    fuzzing time in seconds (default 60)
+#   MDIST_FUZZ_SECONDS    fuzzing time in seconds for each fuzzer (default 60); the safetensors
+#                         reader fuzzer runs after the object decoder one, for as long
 #   MDIST_FUZZ_BUILD_DIR  build directory (default <repo>/build-fuzz)
 #   MDIST_FUZZ_CXX        clang++ to build with (default: clang++, else clang++-NN)
 #   MDIST_FUZZ_JOBS       parallel compile jobs (default 2)
@@ -48,7 +49,8 @@ if ! cmake -S "$repo" -B "$build" -DCMAKE_CXX_COMPILER="$cxx" -DMDIST_LIBTORCH="
   echo "run_fuzz: configuring $build failed" >&2
   exit 2
 fi
-cmake --build "$build" --target object_decoder_fuzzer object_decoder_seeds -j "$jobs"
+cmake --build "$build" --target object_decoder_fuzzer object_decoder_seeds safetensors_fuzzer \
+  -j "$jobs"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/mdist-fuzz.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
@@ -85,3 +87,24 @@ if [[ $status -ne 0 ]]; then
   exit 1
 fi
 echo "run_fuzz: object_decoder_fuzzer OK: ${runs:-?} executions in ${seconds} s, $corpus new corpus units"
+
+# The safetensors reader: same budget, seeded with the test fixtures (files written by the
+# official safetensors library).
+log="$build/safetensors_fuzzer.log"
+mkdir -p "$work/safetensors_corpus"
+set +e
+"$build/bin/safetensors_fuzzer" -max_total_time="$seconds" -rss_limit_mb=4096 -max_len=65536 \
+  -timeout=30 -print_final_stats=1 -artifact_prefix="$artifacts/" "$@" \
+  "$work/safetensors_corpus" "$repo/tests/hf/fixtures" > "$log" 2>&1
+status=$?
+set -e
+
+runs="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)"
+corpus="$(find "$work/safetensors_corpus" -type f | wc -l)"
+if [[ $status -ne 0 ]]; then
+  tail -n 80 "$log" >&2
+  echo "run_fuzz: safetensors_fuzzer FAILED (exit $status) after ${runs:-?} executions;" \
+    "reproducer in $artifacts, full log $log" >&2
+  exit 1
+fi
+echo "run_fuzz: safetensors_fuzzer OK: ${runs:-?} executions in ${seconds} s, $corpus new corpus units"

@@ -1,0 +1,130 @@
+#pragma once
+// The Hugging Face Llama-family causal LM (LlamaForCausalLM, MistralForCausalLM,
+// Qwen2ForCausalLM, Qwen3ForCausalLM) as a libtorch module whose parameter names are the
+// checkpoint keys, so a checkpoint loads by name with no mapping table:
+//
+//   model.embed_tokens.weight
+//   model.layers.N.self_attn.{q,k,v,o}_proj.{weight,bias}     bias per LlamaConfig
+//   model.layers.N.self_attn.{q,k}_norm.weight                Qwen3
+//   model.layers.N.mlp.{gate,up,down}_proj.weight
+//   model.layers.N.{input,post_attention}_layernorm.weight
+//   model.norm.weight
+//   lm_head.weight                                            absent when tie_word_embeddings
+//
+// Tied embeddings: a tied model has no lm_head parameter (logits use embed_tokens.weight), as
+// save_pretrained writes tied checkpoints. load_state_dict accepts, and ignores, an
+// lm_head.weight of the right shape for a tied model (some transformers versions list it).
+//
+// Modules call their children through mdist::nn::call and CausalLM's forward goes through
+// mdist::nn::hooked, so fully_shard can wrap the root and each decoder layer.
+//
+// Numerics follow transformers: RMSNorm in fp32 then cast back before the weight multiply,
+// rotate-half RoPE from rope_theta (with Llama 3 scaling), GQA by repeating k/v heads, causal
+// scaled-dot-product attention with an optional padding mask and (Mistral) sliding window.
+// Parameters are created in fp32 on the CPU; use ->to() for another dtype or device.
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mdist/hf/config.h"
+
+namespace mdist::hf {
+
+// HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, cast to x's dtype, times weight.
+struct RMSNormImpl : torch::nn::Module {
+  RMSNormImpl(int64_t dim, double eps);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+  double eps;
+};
+TORCH_MODULE(RMSNorm);
+
+// The rotary embedding's inverse frequencies [head_dim / 2] (fp32), with Llama 3 scaling.
+at::Tensor rope_inv_freq(const LlamaConfig& config);
+
+struct AttentionImpl : torch::nn::Module {
+  explicit AttentionImpl(const LlamaConfig& config);
+  // x [B, T, hidden]; cos, sin [B, T, head_dim]; mask: undefined (causal) or bool
+  // [B, 1, T, T], true where a query may attend to a key.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& mask);
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3 only
+  int64_t heads, kv_heads, head_dim;
+};
+TORCH_MODULE(Attention);
+
+struct MLPImpl : torch::nn::Module {  // SwiGLU
+  explicit MLPImpl(const LlamaConfig& config);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(MLP);
+
+struct DecoderLayerImpl : torch::nn::Module {
+  explicit DecoderLayerImpl(const LlamaConfig& config);
+  // Called by DecoderModel through mdist::nn::call, which runs this layer's hooks.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& mask);
+  Attention self_attn{nullptr};
+  MLP mlp{nullptr};
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+};
+TORCH_MODULE(DecoderLayer);
+
+// HF's LlamaModel (the checkpoint's "model."): embeddings, decoder layers, final norm.
+struct DecoderModelImpl : torch::nn::Module {
+  explicit DecoderModelImpl(const LlamaConfig& config);
+  // input_ids [B, T] (int64); attention_mask: undefined or [B, T] of 0/1 (1: a real token);
+  // position_ids: undefined (0..T-1 for every row, as HF's forward) or [B, T] / [T].
+  // Returns the final hidden states [B, T, hidden].
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                     const at::Tensor& position_ids);
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  std::vector<DecoderLayer> decoder_layers;  // layers, typed
+  RMSNorm norm{nullptr};
+  at::Tensor inv_freq;  // not a parameter or buffer, as HF's non-persistent inv_freq
+  std::optional<int64_t> sliding_window;
+};
+TORCH_MODULE(DecoderModel);
+
+struct CausalLMImpl : torch::nn::Module {
+  explicit CausalLMImpl(LlamaConfig config);
+  // Logits [B, T, vocab] (see DecoderModelImpl::forward for the arguments).
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
+                     const at::Tensor& position_ids = {});
+  at::Tensor body(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                  const at::Tensor& position_ids);
+  // The output projection's weight: lm_head.weight, or embed_tokens.weight when tied.
+  at::Tensor output_weight() const;
+  // causal_lm_loss(logits, labels): HF's shifted cross entropy.
+  static at::Tensor loss(const at::Tensor& logits, const at::Tensor& labels);
+
+  LlamaConfig config;
+  DecoderModel model{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // null when tie_word_embeddings
+};
+TORCH_MODULE(CausalLM);
+
+// HF's causal-LM loss: cross entropy of logits [B, T, V] at t against labels [B, T] at t + 1,
+// in fp32, ignoring labels of -100, mean over the tokens not ignored.
+at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
+inline at::Tensor CausalLMImpl::loss(const at::Tensor& logits, const at::Tensor& labels) {
+  return causal_lm_loss(logits, labels);
+}
+
+// Copies `tensors` into `model`'s parameters by name (dtype converted, shapes must match).
+// Throws mdist::Error naming the missing, unexpected and mis-shaped keys. An lm_head.weight
+// for a tied model (no lm_head parameter) of embed_tokens' shape is ignored.
+void load_state_dict(torch::nn::Module& model, const std::map<std::string, at::Tensor>& tensors);
+inline void load_state_dict(CausalLM& model, const std::map<std::string, at::Tensor>& tensors) {
+  load_state_dict(*model, tensors);
+}
+
+}  // namespace mdist::hf

@@ -1,0 +1,272 @@
+// mdist::hf::CausalLM: the Llama-family decoder with Hugging Face names and numerics.
+#include "mdist/hf/causal_lm.h"
+
+#include <cmath>
+#include <numbers>
+#include <sstream>
+#include <utility>
+
+#include "mdist/error.h"
+#include "mdist/nn/hooks.h"
+
+namespace mdist::hf {
+namespace {
+
+torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+
+// [B, H_kv, T, D] -> [B, H_kv * repeats, T, D], each kv head repeated `repeats` times in
+// place (HF's repeat_kv).
+at::Tensor repeat_kv(const at::Tensor& x, int64_t repeats) {
+  if (repeats == 1) return x;
+  const int64_t batch = x.size(0), kv = x.size(1), time = x.size(2), dim = x.size(3);
+  return x.unsqueeze(2)
+      .expand({batch, kv, repeats, time, dim})
+      .reshape({batch, kv * repeats, time, dim});
+}
+
+std::string join(const std::vector<std::string>& names) {
+  std::string out;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if (i == 8) return out + ", ... (" + std::to_string(names.size()) + " in all)";
+    out += (i ? ", " : "") + names[i];
+  }
+  return out;
+}
+
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+}  // namespace
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  const at::Tensor h = x.to(at::kFloat);
+  const at::Tensor normed = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+at::Tensor rope_inv_freq(const LlamaConfig& config) {
+  const int64_t dim = config.head_dim;
+  // As HF: arange in int64, then float, then / dim, base ** that, reciprocal.
+  const at::Tensor exponents =
+      torch::arange(0, dim, 2, torch::kInt64).to(at::kFloat) / static_cast<double>(dim);
+  at::Tensor inv_freq = 1.0 / at::pow(config.rope_theta, exponents);
+  if (!config.rope_scaling) return inv_freq;
+  const RopeScaling& s = *config.rope_scaling;
+  const double old_context = static_cast<double>(s.original_max_position_embeddings);
+  const double low_freq_wavelen = old_context / s.low_freq_factor;
+  const double high_freq_wavelen = old_context / s.high_freq_factor;
+  const at::Tensor wavelen = 2 * std::numbers::pi / inv_freq;
+  at::Tensor scaled = at::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
+  const at::Tensor smooth =
+      (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+  const at::Tensor smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
+  const at::Tensor medium = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+  return at::where(medium, smoothed, scaled);
+}
+
+AttentionImpl::AttentionImpl(const LlamaConfig& c)
+    : heads(c.num_attention_heads), kv_heads(c.num_key_value_heads), head_dim(c.head_dim) {
+  q_proj = register_module("q_proj", linear(c.hidden_size, heads * head_dim, c.qkv_bias));
+  k_proj = register_module("k_proj", linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias));
+  v_proj = register_module("v_proj", linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias));
+  o_proj = register_module("o_proj", linear(heads * head_dim, c.hidden_size, c.o_bias));
+  if (c.qk_norm) {
+    q_norm = register_module("q_norm", RMSNorm(head_dim, c.rms_norm_eps));
+    k_norm = register_module("k_norm", RMSNorm(head_dim, c.rms_norm_eps));
+  }
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& mask) {
+  const int64_t batch = x.size(0), time = x.size(1);
+  at::Tensor q = mdist::nn::call(q_proj, x).view({batch, time, heads, head_dim});
+  at::Tensor k = mdist::nn::call(k_proj, x).view({batch, time, kv_heads, head_dim});
+  at::Tensor v = mdist::nn::call(v_proj, x).view({batch, time, kv_heads, head_dim});
+  if (q_norm) {
+    q = mdist::nn::call(q_norm, q);
+    k = mdist::nn::call(k_norm, k);
+  }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
+  v = v.transpose(1, 2);
+  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  q = q * c + rotate_half(q) * s;
+  k = k * c + rotate_half(k) * s;
+  k = repeat_kv(k, heads / kv_heads);
+  v = repeat_kv(v, heads / kv_heads);
+  const at::Tensor out = mask.defined()
+                             ? at::scaled_dot_product_attention(q, k, v, mask, 0.0, false)
+                             : at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+  return mdist::nn::call(o_proj, out.transpose(1, 2).reshape({batch, time, heads * head_dim}));
+}
+
+MLPImpl::MLPImpl(const LlamaConfig& c) {
+  gate_proj = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+  up_proj = register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+  down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+}
+
+at::Tensor MLPImpl::forward(const at::Tensor& x) {
+  return mdist::nn::call(down_proj,
+                         torch::silu(mdist::nn::call(gate_proj, x)) * mdist::nn::call(up_proj, x));
+}
+
+DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c) {
+  self_attn = register_module("self_attn", Attention(c));
+  mlp = register_module("mlp", MLP(c));
+  input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos,
+                                     const at::Tensor& sin, const at::Tensor& mask) {
+  const at::Tensor h =
+      x + mdist::nn::call(self_attn, mdist::nn::call(input_layernorm, x), cos, sin, mask);
+  return h + mdist::nn::call(mlp, mdist::nn::call(post_attention_layernorm, h));
+}
+
+DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c)
+    : inv_freq(rope_inv_freq(c)), sliding_window(c.sliding_window) {
+  auto embedding = torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size);
+  if (c.pad_token_id) embedding.padding_idx(*c.pad_token_id);  // as HF: no gradient for it
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(embedding));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    decoder_layers.emplace_back(c);
+    layers->push_back(decoder_layers.back());
+  }
+  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                     const at::Tensor& position_ids) {
+  if (input_ids.dim() != 2) {
+    throw Error("mdist::hf::CausalLM: input_ids must be [batch, seq], got " + shape_of(input_ids));
+  }
+  const int64_t batch = input_ids.size(0), time = input_ids.size(1);
+  const auto device = input_ids.device();
+  if (attention_mask.defined() && attention_mask.sizes() != input_ids.sizes()) {
+    throw Error("mdist::hf::CausalLM: attention_mask " + shape_of(attention_mask) +
+                " does not match input_ids " + shape_of(input_ids));
+  }
+  at::Tensor h = mdist::nn::call(embed_tokens, input_ids);
+
+  // Rotary tables [B, T, head_dim] as HF: inv_freq @ positions in fp32, cos/sin, cast to h.
+  at::Tensor positions =
+      position_ids.defined()
+          ? position_ids
+          : torch::arange(time, torch::TensorOptions().dtype(at::kLong).device(device));
+  if (positions.dim() == 1) positions = positions.unsqueeze(0);
+  positions = positions.expand({batch, time}).to(at::kFloat);
+  const at::Tensor freq = inv_freq.to(device).view({1, -1, 1}).expand({batch, -1, 1});
+  const at::Tensor freqs = at::matmul(freq, positions.unsqueeze(1)).transpose(1, 2);
+  const at::Tensor angles = at::cat({freqs, freqs}, -1);
+  const at::Tensor cos = angles.cos().to(h.scalar_type());
+  const at::Tensor sin = angles.sin().to(h.scalar_type());
+
+  // The attention mask: none (plain causal) unless padding or a sliding window matters.
+  at::Tensor mask;
+  const bool windowed = sliding_window && time > *sliding_window;
+  if (attention_mask.defined() || windowed) {
+    const at::Tensor idx =
+        torch::arange(time, torch::TensorOptions().dtype(at::kLong).device(device));
+    const at::Tensor distance = idx.view({time, 1}) - idx.view({1, time});  // query - key
+    at::Tensor allowed = distance >= 0;
+    if (windowed) allowed = allowed.logical_and(distance < *sliding_window);
+    mask = allowed.view({1, 1, time, time});
+    if (attention_mask.defined()) {
+      mask = mask.logical_and(attention_mask.to(at::kBool).view({batch, 1, 1, time}));
+    }
+    mask = mask.expand({batch, 1, time, time});
+    // A query that may attend to no key (a left-padding position) attends to all instead,
+    // so that its (unused) output is finite rather than NaN.
+    mask = mask.logical_or(mask.any(-1, /*keepdim=*/true).logical_not());
+  }
+
+  for (auto& layer : decoder_layers) h = mdist::nn::call(layer, h, cos, sin, mask);
+  return mdist::nn::call(norm, h);
+}
+
+CausalLMImpl::CausalLMImpl(LlamaConfig config_) : config(std::move(config_)) {
+  model = register_module("model", DecoderModel(config));
+  if (!config.tie_word_embeddings) {
+    lm_head = register_module("lm_head", linear(config.hidden_size, config.vocab_size, false));
+  }
+}
+
+at::Tensor CausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                 const at::Tensor& position_ids) {
+  return mdist::nn::hooked(*this, &CausalLMImpl::body, input_ids, attention_mask, position_ids);
+}
+
+at::Tensor CausalLMImpl::body(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                              const at::Tensor& position_ids) {
+  const at::Tensor h = mdist::nn::call(model, input_ids, attention_mask, position_ids);
+  if (lm_head) return mdist::nn::call(lm_head, h);
+  return at::linear(h, model->embed_tokens->weight);
+}
+
+at::Tensor CausalLMImpl::output_weight() const {
+  return lm_head ? lm_head->weight : model->embed_tokens->weight;
+}
+
+at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
+  if (logits.dim() != 3 || labels.dim() != 2 || logits.size(0) != labels.size(0) ||
+      logits.size(1) != labels.size(1)) {
+    throw Error("mdist::hf::causal_lm_loss: logits " + shape_of(logits) + " and labels " +
+                shape_of(labels) + " are not [B, T, V] and [B, T]");
+  }
+  const int64_t vocab = logits.size(2);
+  const at::Tensor shifted_logits = logits.slice(1, 0, -1).to(at::kFloat).reshape({-1, vocab});
+  const at::Tensor shifted_labels =
+      labels.slice(1, 1).reshape({-1}).to(at::kLong).to(logits.device());
+  return at::cross_entropy_loss(shifted_logits, shifted_labels, {}, at::Reduction::Mean, -100);
+}
+
+void load_state_dict(torch::nn::Module& model, const std::map<std::string, at::Tensor>& tensors) {
+  auto params = model.named_parameters(/*recurse=*/true);
+  std::vector<std::string> missing, unexpected, mismatched;
+  for (const auto& item : params) {
+    const auto it = tensors.find(item.key());
+    if (it == tensors.end()) {
+      missing.push_back(item.key());
+    } else if (it->second.sizes() != item.value().sizes()) {
+      mismatched.push_back(item.key() + " (checkpoint " + shape_of(it->second) + ", model " +
+                           shape_of(item.value()) + ")");
+    }
+  }
+  const at::Tensor* embed = params.find("model.embed_tokens.weight");
+  for (const auto& [name, tensor] : tensors) {
+    if (params.contains(name)) continue;
+    // A tied model's lm_head.weight is embed_tokens.weight: accept a listed copy, ignore it.
+    if (name == "lm_head.weight" && embed != nullptr && tensor.sizes() == embed->sizes()) continue;
+    unexpected.push_back(name);
+  }
+  if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
+    std::string message = "mdist::hf::load_state_dict:";
+    if (!missing.empty()) message += " missing keys: " + join(missing) + ";";
+    if (!unexpected.empty()) message += " unexpected keys: " + join(unexpected) + ";";
+    if (!mismatched.empty()) message += " shape mismatch: " + join(mismatched) + ";";
+    message.pop_back();
+    throw Error(message);
+  }
+  const at::NoGradGuard no_grad;
+  for (auto& item : params) item.value().copy_(tensors.at(item.key()));
+}
+
+}  // namespace mdist::hf

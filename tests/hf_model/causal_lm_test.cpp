@@ -1,0 +1,405 @@
+// mdist::hf::LlamaConfig and CausalLM against transformers: logits and loss of tiny random
+// models of each supported architecture (fixtures/<arch>/, written by make_fixtures.py).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include "mdist/error.h"
+#include "mdist/hf/causal_lm.h"
+#include "mdist/hf/config.h"
+#include "mdist/nn/hooks.h"
+
+namespace {
+
+using mdist::hf::CausalLM;
+using mdist::hf::ConfigError;
+using mdist::hf::LlamaConfig;
+using ::testing::HasSubstr;
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in) << path;
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The tensors of fixtures/<arch>/: manifest.json names, dtypes, shapes and offsets into
+// tensors.bin (raw little-endian; this test assumes a little-endian host).
+std::map<std::string, at::Tensor> read_fixture(const std::string& dir) {
+  const auto manifest = nlohmann::json::parse(read_text(dir + "/manifest.json"));
+  const std::string blob = read_text(dir + "/tensors.bin");
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& entry : manifest.at("tensors")) {
+    const auto dtype = entry.at("dtype").get<std::string>();
+    const auto shape = entry.at("shape").get<std::vector<int64_t>>();
+    const auto offset = entry.at("offset").get<std::size_t>();
+    const auto scalar = dtype == "f16" ? at::kHalf : dtype == "f32" ? at::kFloat : at::kLong;
+    at::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(scalar));
+    const std::size_t bytes = t.numel() * t.element_size();
+    EXPECT_LE(offset + bytes, blob.size()) << entry.dump();
+    std::memcpy(t.data_ptr(), blob.data() + offset, bytes);
+    tensors[entry.at("name").get<std::string>()] = t;
+  }
+  return tensors;
+}
+
+std::string fixture_dir(const std::string& arch) {
+  return std::string(MDIST_HF_MODEL_FIXTURES) + "/" + arch;
+}
+
+bool is_weight(const std::string& name) {
+  return name.starts_with("model.") || name.starts_with("lm_head.");
+}
+
+std::map<std::string, at::Tensor> weights_of(const std::map<std::string, at::Tensor>& fixture) {
+  std::map<std::string, at::Tensor> weights;
+  for (const auto& [name, t] : fixture) {
+    if (is_weight(name)) weights[name] = t;
+  }
+  return weights;
+}
+
+CausalLM loaded_model(const std::string& arch, std::map<std::string, at::Tensor>& fixture) {
+  fixture = read_fixture(fixture_dir(arch));
+  CausalLM model(LlamaConfig::from_file(fixture_dir(arch) + "/config.json"));
+  mdist::hf::load_state_dict(model, weights_of(fixture));
+  model->eval();
+  return model;
+}
+
+class Parity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Parity, ParameterNamesAreTheCheckpointKeys) {
+  const auto fixture = read_fixture(fixture_dir(GetParam()));
+  const CausalLM model(LlamaConfig::from_file(fixture_dir(GetParam()) + "/config.json"));
+  std::set<std::string> params, keys;
+  for (const auto& item : model->named_parameters()) params.insert(item.key());
+  for (const auto& [name, t] : fixture) {
+    if (is_weight(name)) keys.insert(name);
+  }
+  EXPECT_EQ(params, keys);
+  EXPECT_TRUE(model->named_buffers().is_empty());
+}
+
+TEST_P(Parity, LogitsAndLossMatchTransformers) {
+  std::map<std::string, at::Tensor> fixture;
+  CausalLM model = loaded_model(GetParam(), fixture);
+  const at::NoGradGuard no_grad;
+  const at::Tensor& ids = fixture.at("input_ids");
+  const at::Tensor& mask = fixture.at("attention_mask");
+  const at::Tensor& expected = fixture.at("logits");
+
+  const at::Tensor logits = model->forward(ids, mask);
+  ASSERT_EQ(logits.sizes(), expected.sizes());
+  ASSERT_EQ(logits.scalar_type(), at::kFloat);
+  // Padding positions' logits are unspecified (HF's and ours differ); compare real tokens.
+  const at::Tensor real = mask.to(at::kBool);
+  const double logit_error = (logits - expected).abs().index({real}).max().item<double>();
+  EXPECT_LT(logit_error, 1e-4) << GetParam();
+  EXPECT_GT(expected.abs().max().item<double>(), 1.0);  // not a trivially small signal
+
+  const at::Tensor loss = CausalLM::Impl::loss(logits, fixture.at("labels"));
+  const double loss_error = std::abs(loss.item<double>() - fixture.at("loss").item<double>());
+  EXPECT_LT(loss_error, 1e-5) << GetParam();
+  std::printf("[%s] max |logit error| %.3g, |loss error| %.3g\n", GetParam().c_str(), logit_error,
+              loss_error);
+
+  // Row 0 has no padding: without a mask (the is_causal path) it gives the same logits, and
+  // explicit position ids 0..T-1 are the default.
+  const at::Tensor row = ids.slice(0, 0, 1);
+  const at::Tensor plain = model->forward(row);
+  EXPECT_LT((plain - expected.slice(0, 0, 1)).abs().max().item<double>(), 1e-4);
+  const at::Tensor positions = torch::arange(row.size(1), torch::kLong).unsqueeze(0);
+  EXPECT_TRUE(torch::allclose(model->forward(row, {}, positions), plain, 0, 0));
+  if (fixture.contains("position_ids")) {  // llama: positions counted from the first token
+    const at::Tensor shifted = model->forward(ids, mask, fixture.at("position_ids"));
+    const double error =
+        (shifted - fixture.at("logits_with_position_ids")).abs().index({real}).max().item<double>();
+    EXPECT_LT(error, 1e-4);
+  }
+  // RoPE is relative: shifting every position changes (almost) nothing, spreading them does.
+  EXPECT_TRUE(torch::allclose(model->forward(row, {}, positions + 3), plain, 1e-4, 1e-4));
+  EXPECT_FALSE(torch::allclose(model->forward(row, {}, positions * 2), plain, 1e-3, 1e-3));
+}
+
+// The fixtures exercise Llama 3 RoPE scaling, Mistral's sliding window and the padding mask:
+// without each, the logits of real tokens move.
+TEST(ParityFixtures, FixturesDependOnRopeScalingSlidingWindowAndPadding) {
+  const auto error_without = [](const std::string& arch, auto&& change, bool use_mask) {
+    const auto fixture = read_fixture(fixture_dir(arch));
+    LlamaConfig config = LlamaConfig::from_file(fixture_dir(arch) + "/config.json");
+    change(config);
+    CausalLM model(config);
+    mdist::hf::load_state_dict(model, weights_of(fixture));
+    const at::NoGradGuard no_grad;
+    const at::Tensor& mask = fixture.at("attention_mask");
+    const at::Tensor logits =
+        model->forward(fixture.at("input_ids"), use_mask ? mask : at::Tensor());
+    return (logits - fixture.at("logits")).abs().index({mask.to(at::kBool)}).max().item<double>();
+  };
+  EXPECT_GT(error_without(
+                "llama", [](LlamaConfig& c) { c.rope_scaling.reset(); }, true),
+            1e-2);
+  EXPECT_GT(error_without(
+                "mistral", [](LlamaConfig& c) { c.sliding_window.reset(); }, true),
+            1e-2);
+  EXPECT_GT(error_without(
+                "qwen2", [](LlamaConfig&) {}, false),
+            1e-2);
+}
+
+TEST_P(Parity, BackwardGivesFiniteGradientsForEveryParameter) {
+  std::map<std::string, at::Tensor> fixture;
+  CausalLM model = loaded_model(GetParam(), fixture);
+  const at::Tensor loss = CausalLM::Impl::loss(
+      model->forward(fixture.at("input_ids"), fixture.at("attention_mask")), fixture.at("labels"));
+  loss.backward();
+  auto params = model->named_parameters().pairs();
+  std::sort(params.begin(), params.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  const at::Tensor& norms = fixture.at("grad_norms");
+  ASSERT_EQ(norms.numel(), static_cast<int64_t>(params.size()));
+  double worst = 0;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto& [name, param] = params[i];
+    ASSERT_TRUE(param.grad().defined()) << name;
+    const double expected = norms[static_cast<int64_t>(i)].item<double>();
+    const double relative = std::abs(param.grad().norm().item<double>() - expected) / expected;
+    worst = std::max(worst, relative);
+    EXPECT_LT(relative, 1e-4) << GetParam() << " " << name;
+  }
+  if (!fixture.contains("grad:model.embed_tokens.weight")) return;
+  const at::Tensor& embed_grad = fixture.at("grad:model.embed_tokens.weight");
+  const double embed_error =
+      (model->model->embed_tokens->weight.grad() - embed_grad).abs().max().item<double>();
+  EXPECT_LT(embed_error, 1e-5) << GetParam();
+  std::printf("[%s] worst relative grad-norm error %.3g, max |embed grad error| %.3g\n",
+              GetParam().c_str(), worst, embed_error);
+  if (model->config.pad_token_id) {  // llama: the padding row gets no gradient, as in HF
+    const int64_t pad = *model->config.pad_token_id;
+    EXPECT_TRUE(fixture.at("input_ids").eq(pad).any().item<bool>());
+    EXPECT_EQ(model->model->embed_tokens->weight.grad()[pad].abs().max().item<double>(), 0.0);
+  }
+}
+
+TEST(ParityFixtures, Bfloat16ForwardStaysCloseToFloat32) {
+  std::map<std::string, at::Tensor> fixture;
+  CausalLM model = loaded_model("qwen3", fixture);
+  model->to(at::kBFloat16);
+  const at::NoGradGuard no_grad;
+  const at::Tensor& mask = fixture.at("attention_mask");
+  const at::Tensor logits = model->forward(fixture.at("input_ids"), mask);
+  EXPECT_EQ(logits.scalar_type(), at::kBFloat16);
+  const at::Tensor& expected = fixture.at("logits");
+  const double error =
+      (logits.to(at::kFloat) - expected).abs().index({mask.to(at::kBool)}).max().item<double>();
+  EXPECT_LT(error, 0.05 * expected.abs().max().item<double>());
+  const at::Tensor loss = CausalLM::Impl::loss(logits, fixture.at("labels"));
+  EXPECT_EQ(loss.scalar_type(), at::kFloat);
+  EXPECT_NEAR(loss.item<double>(), fixture.at("loss").item<double>(), 0.05);
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, Parity,
+                         ::testing::Values("llama", "mistral", "qwen2", "qwen3"));
+
+// --- LlamaConfig ------------------------------------------------------------------------
+
+std::string minimal_config(const std::string& extra = "") {
+  return R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 48,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 40)" +
+         extra + "}";
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no ConfigError";
+  return "";
+}
+
+TEST(LlamaConfig, Defaults) {
+  const auto c = LlamaConfig::from_json(minimal_config());
+  EXPECT_EQ(c.architecture, "LlamaForCausalLM");
+  EXPECT_EQ(c.num_key_value_heads, 4);
+  EXPECT_EQ(c.head_dim, 8);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 10000.0);
+  EXPECT_FALSE(c.rope_scaling.has_value());
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_FALSE(c.qkv_bias || c.o_bias || c.mlp_bias || c.qk_norm);
+  EXPECT_FALSE(c.pad_token_id.has_value());
+  EXPECT_FALSE(LlamaConfig::from_json(minimal_config(R"(, "rope_scaling": null)")).rope_scaling);
+  EXPECT_FALSE(LlamaConfig::from_json(minimal_config(
+                                          R"(, "rope_parameters": {"rope_type": "default",
+                                                 "rope_theta": 1e6})"))
+                   .rope_scaling);
+  EXPECT_DOUBLE_EQ(LlamaConfig::from_json(minimal_config(
+                                              R"(, "rope_parameters": {"rope_type": "default",
+                                                     "rope_theta": 1e6})"))
+                       .rope_theta,
+                   1e6);
+}
+
+TEST(LlamaConfig, UnsupportedArchitectureIsNamed) {
+  const std::string message = error_of([] {
+    LlamaConfig::from_json(R"({"architectures": ["GPT2LMHeadModel"], "hidden_size": 8})");
+  });
+  EXPECT_THAT(message, HasSubstr("unsupported architecture 'GPT2LMHeadModel'"));
+  EXPECT_EQ(message.find('\n'), std::string::npos);
+}
+
+TEST(LlamaConfig, MissingKeyIsNamed) {
+  EXPECT_THAT(error_of([] {
+                LlamaConfig::from_json(R"({"architectures": ["LlamaForCausalLM"],
+                  "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "vocab_size": 40})");
+              }),
+              HasSubstr("missing required key 'intermediate_size'"));
+  EXPECT_THAT(error_of([] { LlamaConfig::from_json(R"({"hidden_size": 32})"); }),
+              HasSubstr("missing required key 'architectures'"));
+}
+
+TEST(LlamaConfig, UnsupportedRopeScalingTypeIsNamed) {
+  EXPECT_THAT(error_of([] {
+                LlamaConfig::from_json(
+                    minimal_config(R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4.0})"));
+              }),
+              HasSubstr("unsupported rope_scaling type 'yarn'"));
+  EXPECT_THAT(error_of([] {
+                LlamaConfig::from_json(
+                    minimal_config(R"(, "rope_scaling": {"type": "linear", "factor": 2.0})"));
+              }),
+              HasSubstr("type 'linear'"));
+  EXPECT_THAT(error_of([] {
+                LlamaConfig::from_json(minimal_config(
+                    R"(, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4})"));
+              }),
+              HasSubstr("unsupported rope_parameters type 'dynamic'"));
+}
+
+TEST(LlamaConfig, OtherErrors) {
+  EXPECT_THAT(error_of([] { LlamaConfig::from_json("{"); }), HasSubstr("not valid JSON"));
+  EXPECT_THAT(
+      error_of([] { LlamaConfig::from_json(minimal_config(R"(, "num_key_value_heads": 3)")); }),
+      HasSubstr("not a multiple of num_key_value_heads 3"));
+  EXPECT_THAT(error_of([] { LlamaConfig::from_json(minimal_config(R"(, "hidden_act": "gelu")")); }),
+              HasSubstr("unsupported hidden_act 'gelu'"));
+  EXPECT_THAT(error_of([] { LlamaConfig::from_json(minimal_config(R"(, "hidden_size": "x")")); }),
+              HasSubstr("'hidden_size' has the wrong type"));
+  EXPECT_THAT(error_of([] { LlamaConfig::from_file("/nonexistent/config.json"); }),
+              HasSubstr("cannot open '/nonexistent/config.json'"));
+}
+
+TEST(LlamaConfig, Transformers4StyleRopeEqualsTransformers5Style) {
+  const auto v5 = LlamaConfig::from_file(fixture_dir("llama") + "/config.json");
+  const auto v4 = LlamaConfig::from_json(minimal_config(R"(, "rope_theta": 500000.0,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16})"));
+  ASSERT_TRUE(v4.rope_scaling && v5.rope_scaling);
+  EXPECT_DOUBLE_EQ(v4.rope_theta, v5.rope_theta);
+  EXPECT_EQ(v4.rope_scaling->original_max_position_embeddings, 16);
+  EXPECT_TRUE(torch::equal(mdist::hf::rope_inv_freq(v4), mdist::hf::rope_inv_freq(v5)));
+}
+
+TEST(LlamaConfig, ArchitectureFeatures) {
+  const auto qwen2 = LlamaConfig::from_file(fixture_dir("qwen2") + "/config.json");
+  EXPECT_TRUE(qwen2.qkv_bias);
+  EXPECT_FALSE(qwen2.o_bias);
+  EXPECT_TRUE(qwen2.tie_word_embeddings);
+  const auto qwen3 = LlamaConfig::from_file(fixture_dir("qwen3") + "/config.json");
+  EXPECT_TRUE(qwen3.qk_norm);
+  EXPECT_FALSE(qwen3.qkv_bias);
+  const auto mistral = LlamaConfig::from_file(fixture_dir("mistral") + "/config.json");
+  EXPECT_EQ(mistral.sliding_window, 5);
+  // model_type alone names the architecture.
+  const auto by_type = LlamaConfig::from_json(R"({"model_type": "qwen2", "hidden_size": 32,
+      "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
+      "vocab_size": 40})");
+  EXPECT_EQ(by_type.architecture, "Qwen2ForCausalLM");
+  EXPECT_TRUE(by_type.qkv_bias);
+}
+
+TEST(LlamaConfig, ToJsonRoundTrips) {
+  for (const std::string arch : {"llama", "mistral", "qwen2", "qwen3"}) {
+    const auto c = LlamaConfig::from_file(fixture_dir(arch) + "/config.json");
+    const auto back = LlamaConfig::from_json(c.to_json());
+    EXPECT_EQ(back.to_json(), c.to_json()) << arch;
+    EXPECT_EQ(back.architecture, c.architecture);
+    EXPECT_EQ(back.head_dim, c.head_dim);
+    EXPECT_EQ(back.rope_scaling.has_value(), c.rope_scaling.has_value());
+    EXPECT_EQ(back.qkv_bias, c.qkv_bias);
+    EXPECT_EQ(back.sliding_window, c.sliding_window);
+    EXPECT_EQ(nlohmann::json::parse(c.to_json()).at("bos_token_id"),
+              nlohmann::json::parse(c.source_json).at("bos_token_id"));  // kept
+  }
+  // Built in code (no source): transformers 4 style.
+  LlamaConfig c = LlamaConfig::from_json(minimal_config());
+  c.source_json.clear();
+  c.rope_scaling = mdist::hf::RopeScaling{};
+  const auto j = nlohmann::json::parse(c.to_json());
+  EXPECT_EQ(j.at("rope_scaling").at("rope_type"), "llama3");
+  EXPECT_EQ(LlamaConfig::from_json(c.to_json()).rope_scaling->factor, 8.0);
+}
+
+// --- load_state_dict and hooks --------------------------------------------------------------
+
+TEST(LoadStateDict, NamesMissingUnexpectedAndMisShapedKeys) {
+  auto weights = weights_of(read_fixture(fixture_dir("llama")));
+  CausalLM model(LlamaConfig::from_file(fixture_dir("llama") + "/config.json"));
+  weights.erase("model.norm.weight");
+  weights["model.layers.0.self_attn.q_proj.bias"] = torch::zeros({32});
+  weights["lm_head.weight"] = torch::zeros({3, 3});
+  try {
+    mdist::hf::load_state_dict(model, weights);
+    FAIL() << "no error";
+  } catch (const mdist::Error& e) {
+    const std::string message = e.what();
+    EXPECT_THAT(message, HasSubstr("missing keys: model.norm.weight"));
+    EXPECT_THAT(message, HasSubstr("unexpected keys: model.layers.0.self_attn.q_proj.bias"));
+    EXPECT_THAT(message,
+                HasSubstr("shape mismatch: lm_head.weight (checkpoint [3, 3], model [40, 32])"));
+  }
+}
+
+TEST(LoadStateDict, TiedModelIgnoresAListedLmHead) {
+  auto weights = weights_of(read_fixture(fixture_dir("qwen2")));
+  CausalLM model(LlamaConfig::from_file(fixture_dir("qwen2") + "/config.json"));
+  weights["lm_head.weight"] = weights.at("model.embed_tokens.weight");
+  mdist::hf::load_state_dict(model, weights);
+  EXPECT_TRUE(model->output_weight().is_same(model->model->embed_tokens->weight));
+  weights["lm_head.weight"] = torch::zeros({2, 2});
+  EXPECT_THROW(mdist::hf::load_state_dict(model, weights), mdist::Error);
+}
+
+TEST(Hooks, RootAndLayersRunTheirHooksOncePerForward) {
+  CausalLM model(LlamaConfig::from_file(fixture_dir("llama") + "/config.json"));
+  int root = 0, layer = 0;
+  auto h1 = mdist::nn::register_forward_pre_hook(
+      *model, [&](torch::nn::Module&, mdist::nn::TensorRefs&) { ++root; });
+  auto h2 = mdist::nn::register_forward_pre_hook(
+      *model->model->decoder_layers[1],
+      [&](torch::nn::Module&, mdist::nn::TensorRefs&) { ++layer; });
+  const at::NoGradGuard no_grad;
+  model->forward(torch::zeros({1, 4}, torch::kLong));
+  EXPECT_EQ(root, 1);
+  EXPECT_EQ(layer, 1);
+  h1.remove();
+  h2.remove();
+}
+
+}  // namespace

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Writes the parity fixtures of tests/hf_model (run by a developer, not by CI).
+
+    ~/.cache/mdist/bench-venv/bin/pip install transformers
+    ~/.cache/mdist/bench-venv/bin/python tests/hf_model/make_fixtures.py
+
+For each architecture, a tiny seeded random model in fp32 is built with transformers and
+fixtures/<arch>/ receives:
+  config.json     the model's config as save_pretrained writes it
+  manifest.json   {"tensors": [{"name", "dtype" ("f16"|"f32"|"i64"), "shape", "offset"}]}
+  tensors.bin     the tensors, raw little-endian, at their offsets
+Tensors: the weights under their checkpoint names (the save_pretrained key set: a tied
+lm_head.weight is left out), stored as f16; the model runs on those f16-rounded values in
+fp32, so the C++ side loads exactly the same weights. Then the inputs "input_ids" and
+"attention_mask" [3, 8] (row 0 full, row 1 right-padded, row 2 left-padded), "labels"
+(input_ids with -100 at padding and at the left-padded row's first real token, whose
+prediction comes from a padded position), and HF's "logits" [3, 8, V] and "loss" [] (f32),
+"grad_norms" (the 2-norm of each parameter's gradient of the loss, parameters in name
+order, f32); for llama also that gradient of "model.embed_tokens.weight" (its pad_token_id
+row is zero) as "grad:model.embed_tokens.weight", and "logits_with_position_ids" for
+"position_ids" counted from each row's first real token.
+"""
+import json
+import pathlib
+
+import torch
+import transformers
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+HERE = pathlib.Path(__file__).resolve().parent / "fixtures"
+COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=40, max_position_embeddings=64,
+              rms_norm_eps=1e-6)
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        rope_theta=500000.0, attention_bias=False, tie_word_embeddings=False,
+        pad_token_id=0)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(
+        rope_theta=10000.0, head_dim=8, sliding_window=5, tie_word_embeddings=False)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(rope_theta=1000000.0,
+                                                  tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(rope_theta=1000000.0, head_dim=8,
+                                                  tie_word_embeddings=False)),
+}
+
+
+def write(arch, config_cls, model_cls, extra):
+    torch.manual_seed(1234)
+    config = config_cls(**COMMON, **extra, architectures=[model_cls.__name__])
+    config._attn_implementation = "sdpa"
+    model = model_cls(config).eval().float()
+    with torch.no_grad():  # large enough values that every parameter matters, f16-exact
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.3 * torch.randn_like(param))
+            param.copy_(param.half().float())
+
+    T = 8
+    ids = torch.randint(0, config.vocab_size, (3, T))
+    ids[0, 2] = 0  # the llama fixture's pad_token_id: its embedding row gets no gradient
+    mask = torch.ones(3, T, dtype=torch.int64)
+    mask[1, 6:] = 0
+    mask[2, :3] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[2, 3] = -100
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert torch.isfinite(out.loss), out.loss
+    out.loss.backward()
+
+    out_dir = HERE / arch
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)  # config.json
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tensors = [(n, t.detach().half()) for n, t in sorted(state.items())]
+    tensors += [("input_ids", ids), ("attention_mask", mask), ("labels", labels),
+                ("logits", out.logits.detach().float()), ("loss", out.loss.detach().float()),
+                ("grad_norms", torch.stack([p.grad.norm() for _, p in sorted(
+                    model.named_parameters())]))]
+    if arch == "llama":  # the full embedding gradient, and explicit position ids
+        tensors.append(("grad:model.embed_tokens.weight", model.model.embed_tokens.weight.grad))
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them
+        with torch.no_grad():
+            shifted = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        tensors += [("position_ids", positions), ("logits_with_position_ids", shifted)]
+    manifest, blob = [], bytearray()
+    codes = {torch.float16: "f16", torch.float32: "f32", torch.int64: "i64"}
+    for name, tensor in tensors:
+        tensor = tensor.contiguous()
+        manifest.append({"name": name, "dtype": codes[tensor.dtype],
+                         "shape": list(tensor.shape), "offset": len(blob)})
+        blob += tensor.numpy().astype(tensor.numpy().dtype.newbyteorder("<")).tobytes()
+    (out_dir / "tensors.bin").write_bytes(bytes(blob))
+    (out_dir / "manifest.json").write_text(json.dumps({
+        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+        "tensors": manifest}, indent=1) + "\n")
+    print(arch, "loss", out.loss.item(), "bytes", len(blob))
+
+
+if __name__ == "__main__":
+    for arch, (config_cls, model_cls, extra) in ARCHS.items():
+        write(arch, config_cls, model_cls, extra)
