@@ -55,7 +55,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       if (!info.shape.empty()) {
         const at::Tensor rows = file.read_rows(name, 0, info.shape[0]);
         if (rows.nbytes() != whole.nbytes() ||
-            (whole.nbytes() > 0 && std::memcmp(rows.data_ptr(), whole.data_ptr(), whole.nbytes()) != 0)) {
+            (whole.nbytes() > 0 &&
+             std::memcmp(rows.data_ptr(), whole.data_ptr(), whole.nbytes()) != 0)) {
           fail("read_rows of all rows differs from tensor()", name);
         }
       }

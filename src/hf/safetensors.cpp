@@ -59,8 +59,7 @@ constexpr std::array<DtypeName, 15> kDtypes = {{
 // Throws std::invalid_argument (duplicates) or json::parse_error.
 json parse_strict(const char* begin, const char* end) {
   std::vector<std::set<std::string>> keys;  // one set per open object
-  json::parser_callback_t callback = [&keys](int depth, json::parse_event_t event,
-                                             json& parsed) {
+  json::parser_callback_t callback = [&keys](int depth, json::parse_event_t event, json& parsed) {
     (void)depth;
     switch (event) {
       case json::parse_event_t::object_start:
@@ -86,8 +85,7 @@ json parse_strict(const char* begin, const char* end) {
 std::string read_text_file(const fs::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    throw SafetensorsError("mdist: cannot open " + quote(path.string()) + ": " +
-                           errno_text(errno));
+    throw SafetensorsError("mdist: cannot open " + quote(path.string()) + ": " + errno_text(errno));
   }
   std::string text;
   std::array<char, 65536> buffer;
@@ -267,9 +265,8 @@ SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
   for (const auto& [name, info] : tensors_) {
     if (info.end > info.begin) by_offset.emplace_back(&name, &info);
   }
-  std::sort(by_offset.begin(), by_offset.end(), [](const auto& a, const auto& b) {
-    return a.second->begin < b.second->begin;
-  });
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const auto& a, const auto& b) { return a.second->begin < b.second->begin; });
   for (std::size_t i = 1; i < by_offset.size(); ++i) {
     if (by_offset[i].second->begin < by_offset[i - 1].second->end) {
       fail("tensor " + quote(*by_offset[i].first) + " overlaps tensor " +
@@ -329,7 +326,9 @@ at::Tensor SafetensorsFile::read_rows(const std::string& name, std::int64_t firs
   shape[0] = rows;
   at::Tensor out = at::empty(shape, at::TensorOptions().dtype(meta.dtype).device(at::kCPU));
   const std::size_t row_bytes =
-      total == 0 ? 0 : static_cast<std::size_t>((meta.end - meta.begin) / static_cast<std::uint64_t>(total));
+      total == 0
+          ? 0
+          : static_cast<std::size_t>((meta.end - meta.begin) / static_cast<std::uint64_t>(total));
   const std::size_t bytes = row_bytes * static_cast<std::size_t>(rows);
   if (bytes > 0) {
     std::memcpy(out.data_ptr(), data_of(meta) + row_bytes * static_cast<std::size_t>(first_row),
@@ -374,8 +373,8 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const fs::path& dir) : dir_(dir) {
   for (const auto& [name, shard_value] : map_it->items()) {
     if (!shard_value.is_string()) fail("weight_map entry " + quote(name) + " is not a string");
     const auto shard = shard_value.get<std::string>();
-    if (shard.empty() || shard == "." || shard == ".." ||
-        shard.find('/') != std::string::npos || shard.find('\0') != std::string::npos) {
+    if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos ||
+        shard.find('\0') != std::string::npos) {
       fail("weight_map entry " + quote(name) + " names " + quote(shard) +
            ", which is not a plain file name");
     }
@@ -436,8 +435,8 @@ class TempFile {
   explicit TempFile(fs::path final_path) : final_(std::move(final_path)) {
     std::random_device random;
     const fs::path dir = final_.has_parent_path() ? final_.parent_path() : fs::path(".");
-    temp_ = dir / ("." + final_.filename().string() + ".tmp." + std::to_string(::getpid()) +
-                   "." + std::to_string(random()));
+    temp_ = dir / ("." + final_.filename().string() + ".tmp." + std::to_string(::getpid()) + "." +
+                   std::to_string(random()));
     fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd_ < 0) fail("cannot create temporary file " + quote(temp_.string()), errno);
   }

@@ -106,8 +106,8 @@ at::Tensor random_tensor(c10::ScalarType dtype, std::vector<std::int64_t> shape)
 }
 
 const std::vector<c10::ScalarType> kAllDtypes = {
-    at::kDouble, at::kFloat,  at::kHalf,   at::kBFloat16, at::kLong,
-    at::kInt,    at::kShort,  at::kChar,   at::kByte,     at::kBool,
+    at::kDouble, at::kFloat,  at::kHalf,   at::kBFloat16,      at::kLong,
+    at::kInt,    at::kShort,  at::kChar,   at::kByte,          at::kBool,
     at::kUInt16, at::kUInt32, at::kUInt64, at::kFloat8_e4m3fn, at::kFloat8_e5m2};
 
 TEST_F(SafetensorsTest, RoundTripsEveryDtypeBitExactly) {
@@ -182,9 +182,8 @@ TEST_F(SafetensorsTest, AlignedTensorsAliasTheMappingAndOutliveTheFile) {
 
 TEST_F(SafetensorsTest, UnalignedTensorsAreCopied) {
   // A u8 at [0, 1) puts the f32 at data offset 1, which no mapping can align.
-  std::string header =
-      R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
-      R"("f":{"dtype":"F32","shape":[2],"data_offsets":[1,9]}})";
+  std::string header = R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                       R"("f":{"dtype":"F32","shape":[2],"data_offsets":[1,9]}})";
   header.append((8 - (8 + header.size()) % 8) % 8, ' ');
   std::string data(9, '\0');
   data[0] = 7;
@@ -218,8 +217,8 @@ TEST_F(SafetensorsTest, ReadRowsReturnsExactlyThoseRows) {
   at::Tensor rows = file.read_rows("w", 1, 2);
   rows.add_(1);  // a fresh copy
   expect_same_bits(file.read_rows("w", 1, 2), w.slice(0, 1, 3));
-  for (auto [first, count] : std::vector<std::pair<std::int64_t, std::int64_t>>{
-           {4, 2}, {-1, 1}, {0, -1}, {6, 0}}) {
+  for (auto [first, count] :
+       std::vector<std::pair<std::int64_t, std::int64_t>>{{4, 2}, {-1, 1}, {0, -1}, {6, 0}}) {
     try {
       (void)file.read_rows("w", first, count);
       ADD_FAILURE() << first << " " << count;
@@ -290,7 +289,8 @@ TEST_F(SafetensorsTest, ShardedCheckpointRoundTrips) {
     expect_same_bits(ckpt.tensor(name), t);
     EXPECT_EQ(ckpt.info(name).shape, t.sizes().vec());
   }
-  expect_same_bits(ckpt.read_rows("layer.6.weight", 2, 3), tensors["layer.6.weight"].slice(0, 2, 5));
+  expect_same_bits(ckpt.read_rows("layer.6.weight", 2, 3),
+                   tensors["layer.6.weight"].slice(0, 2, 5));
 
   // And back to a single file: the stale index is removed.
   mdist::hf::save_checkpoint(ckpt_dir, {{"x", at::ones({2})}}, 1 << 20);
@@ -304,7 +304,8 @@ TEST_F(SafetensorsTest, FailedWriteLeavesNoFileAndKeepsTheOldOne) {
   const std::string before = read_text(path);
   // An unsupported dtype fails before anything is written.
   try {
-    mdist::hf::save_safetensors(path, {{"a", at::ones({2})}, {"z", at::ones({2}, at::kComplexFloat)}});
+    mdist::hf::save_safetensors(path,
+                                {{"a", at::ones({2})}, {"z", at::ones({2}, at::kComplexFloat)}});
     ADD_FAILURE() << "complex tensor was accepted";
   } catch (const SafetensorsError& e) {
     EXPECT_THAT(e.what(), HasSubstr("tensor \"z\" has dtype ComplexFloat"));
@@ -325,14 +326,15 @@ TEST_F(SafetensorsTest, FailedWriteLeavesNoFileAndKeepsTheOldOne) {
     EXPECT_THAT(e.what(), HasSubstr("cannot rename"));
     EXPECT_THAT(e.what(), HasSubstr(".blocked.safetensors.tmp."));
   }
-  EXPECT_EQ(dir_entries(dir_), (std::vector<std::string>{"blocked.safetensors", "model.safetensors"}));
+  EXPECT_EQ(dir_entries(dir_),
+            (std::vector<std::string>{"blocked.safetensors", "model.safetensors"}));
 
   // A sharded save whose index cannot be renamed leaves no index and no temporary files.
   const fs::path ckpt = dir_ / "ckpt";
   fs::create_directories(ckpt / "model.safetensors.index.json" / "inside");
-  EXPECT_THROW(mdist::hf::save_checkpoint(
-                   ckpt, {{"a", at::ones({100})}, {"b", at::ones({100})}}, 500),
-               SafetensorsError);
+  EXPECT_THROW(
+      mdist::hf::save_checkpoint(ckpt, {{"a", at::ones({100})}, {"b", at::ones({100})}}, 500),
+      SafetensorsError);
   for (const auto& name : dir_entries(ckpt)) {
     EXPECT_EQ(name.find(".tmp."), std::string::npos) << name;
   }
@@ -409,9 +411,9 @@ TEST_F(SafetensorsTest, RejectsBadEntries) {
       R"({"a":{"dtype":"F32","shape":[0,4611686018427387904,4],"data_offsets":[0,0]}})", "",
       "shape overflows");
   for (const char* offsets : {"[0]", "[0,4,8]", "[\"0\",\"4\"]", "[-1,4]", "{}"}) {
-    expect_header_error(std::string(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":)") +
-                            offsets + "}}",
-                        "1234", "\"data_offsets\" is not [begin, end]");
+    expect_header_error(
+        std::string(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":)") + offsets + "}}", "1234",
+        "\"data_offsets\" is not [begin, end]");
   }
   expect_header_error(R"({"__metadata__": [1]})", "", "\"__metadata__\" is not an object");
   expect_header_error(R"({"__metadata__": {"k": 1}})", "",
@@ -441,8 +443,8 @@ TEST_F(SafetensorsTest, RejectsDuplicateNames) {
   expect_header_error(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
                       R"("a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",
                       "ab", "header has a duplicate key \"a\"");
-  expect_header_error(R"({"a":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}})",
-                      "ab", "duplicate key \"dtype\"");
+  expect_header_error(R"({"a":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}})", "ab",
+                      "duplicate key \"dtype\"");
 }
 
 TEST_F(SafetensorsTest, RejectsUnknownNames) {
