@@ -488,6 +488,18 @@ void fsync_dir(const fs::path& dir) {
   ::close(fd);
 }
 
+}  // namespace
+
+void write_file_atomically(const fs::path& path, std::string_view contents) {
+  TempFile file(path);
+  file.write(contents.data(), contents.size());
+  file.finish();
+  file.commit();
+  fsync_dir(path.has_parent_path() ? path.parent_path() : fs::path("."));
+}
+
+namespace {
+
 // Tensors prepared for writing: contiguous CPU copies in file order.
 struct Prepared {
   std::vector<std::pair<std::string, at::Tensor>> tensors;

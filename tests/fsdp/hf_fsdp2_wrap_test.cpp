@@ -4,9 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
 
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/fsdp2_wrap.h"
+#include "mdist/hf/pretrained.h"
 #include "mdist/mdist.h"
 
 namespace {
@@ -46,6 +50,39 @@ TEST_P(HfFsdp2Wrap, SameLogitsAndLossAsUnwrapped) {
     opt.zero_grad();
     loss.backward();  // gradients averaged over identical batches: the same update
     opt.step();
+  }
+}
+
+// save_pretrained from a sharded model (gathered, written by rank 0; single file and sharded
+// with an index), then load_pretrained on every rank gives the same logits.
+TEST_P(HfFsdp2Wrap, SavePretrainedThenLoadGivesTheSameModel) {
+  const auto config = mdist::hf::LlamaConfig::from_file(std::string(MDIST_HF_MODEL_FIXTURES) + "/" +
+                                                        GetParam() + "/config.json");
+  auto wrapped = seeded(config);
+  mdist::fsdp2_wrap(*wrapped);
+  const std::string base =
+      mdist::broadcast((std::filesystem::temp_directory_path() /
+                        ("mdist-save-" + std::to_string(::getpid()) + "-" + GetParam()))
+                           .string());
+  torch::manual_seed(5);
+  const at::Tensor ids = torch::randint(0, config.vocab_size, {2, 8});
+  at::Tensor expected;
+  {
+    const at::NoGradGuard no_grad;
+    expected = wrapped->forward(ids);
+  }
+  for (const std::uint64_t shard_bytes : {std::uint64_t{1} << 30, std::uint64_t{16} << 10}) {
+    const std::filesystem::path dir = base + "-" + std::to_string(shard_bytes);
+    mdist::hf::save_pretrained(wrapped, dir, shard_bytes);
+    mdist::barrier();
+    const bool sharded = std::filesystem::exists(dir / "model.safetensors.index.json");
+    EXPECT_EQ(sharded, shard_bytes < (std::uint64_t{1} << 30)) << dir;
+    EXPECT_TRUE(std::filesystem::exists(dir / "config.json"));
+    auto loaded = mdist::hf::load_pretrained(dir);
+    const at::NoGradGuard no_grad;
+    EXPECT_LT((loaded->forward(ids) - expected).abs().max().item<double>(), 1e-6);
+    mdist::barrier();
+    if (mdist::is_master()) std::filesystem::remove_all(dir);
   }
 }
 

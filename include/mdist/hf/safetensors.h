@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "mdist/error.h"
@@ -128,6 +129,10 @@ void save_safetensors(const std::filesystem::path& path,
 void save_checkpoint(const std::filesystem::path& dir,
                      const std::map<std::string, at::Tensor>& tensors,
                      std::uint64_t max_shard_bytes);
+
+// Writes `contents` to `path` through a fsynced temporary file and a rename: `path` holds the
+// old file or the whole new one, never a part.
+void write_file_atomically(const std::filesystem::path& path, std::string_view contents);
 
 // The safetensors name of a dtype ("F32", ...) and back; throw SafetensorsError if unsupported.
 std::string dtype_name(c10::ScalarType dtype);
