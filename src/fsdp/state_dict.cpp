@@ -164,6 +164,35 @@ void load_full_state_dict(torch::nn::Module& model,
     copy_whole(item.key(), item.value(), state.at(item.key()), kOp);
 }
 
+void load_state_dict_by_rows(torch::nn::Module& model, const RowReader& read) {
+  constexpr const char* kOp = "load_state_dict_by_rows";
+  const at::NoGradGuard no_grad;
+  for (const auto& item : model.named_parameters()) {
+    const auto managed = detail::find_managed(item.value());
+    if (!managed) {
+      copy_whole(item.key(), item.value(), read(item.key(), 0, -1), kOp);
+      continue;
+    }
+    auto& p = managed->param();
+    const auto rows = detail::owned_rows(p, managed->unit->rank);
+    p.shard.zero_();
+    if (rows.count > 0) {
+      const at::Tensor source = read(item.key(), rows.first, rows.count);
+      if (source.numel() != rows.count * p.row_numel) {
+        throw Error(std::string("mdist: ") + kOp + ": rows " + std::to_string(rows.first) + ".." +
+                    std::to_string(rows.first + rows.count) + " of '" + item.key() + "' have " +
+                    std::to_string(source.numel()) + " elements, expected " +
+                    std::to_string(rows.count * p.row_numel) + " (shape " +
+                    shape_text(p.full_shape) + ")");
+      }
+      p.shard.view({p.chunk_rows, p.row_numel})
+          .narrow(0, 0, rows.count)
+          .copy_(source.reshape({rows.count, p.row_numel}));
+    }
+    managed->unit->reshard();  // a gathered full parameter would be stale
+  }
+}
+
 double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type) {
   const bool inf = std::isinf(norm_type);
   if (!inf && norm_type != 2.0) {

@@ -40,4 +40,15 @@ CausalLM load_pretrained(const std::filesystem::path& dir) {
   return model;
 }
 
+void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::path& dir) {
+  const SafetensorsCheckpoint checkpoint(dir);
+  load_state_dict_by_rows(model, [&](const std::string& name, int64_t first_row, int64_t rows) {
+    if (!checkpoint.contains(name)) {
+      throw Error("mdist: load_checkpoint_sharded: '" + dir.string() + "' has no tensor '" + name +
+                  "'");
+    }
+    return rows < 0 ? checkpoint.tensor(name) : checkpoint.read_rows(name, first_row, rows);
+  });
+}
+
 }  // namespace mdist::hf

@@ -79,8 +79,14 @@ TEST_P(HfFsdp2Wrap, SavePretrainedThenLoadGivesTheSameModel) {
     EXPECT_EQ(sharded, shard_bytes < (std::uint64_t{1} << 30)) << dir;
     EXPECT_TRUE(std::filesystem::exists(dir / "config.json"));
     auto loaded = mdist::hf::load_pretrained(dir);
+    // And into a model sharded first, each rank reading only its rows.
+    torch::manual_seed(99);
+    mdist::hf::CausalLM resharded(config);
+    mdist::fsdp2_wrap(*resharded);
+    mdist::hf::load_checkpoint_sharded(*resharded, dir);
     const at::NoGradGuard no_grad;
     EXPECT_LT((loaded->forward(ids) - expected).abs().max().item<double>(), 1e-6);
+    EXPECT_LT((resharded->forward(ids) - expected).abs().max().item<double>(), 1e-6);
     mdist::barrier();
     if (mdist::is_master()) std::filesystem::remove_all(dir);
   }

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -35,6 +36,14 @@ std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
 // Loads whole tensors (every rank passes the full dict, e.g. read from one checkpoint);
 // each rank keeps its rows, so a dict saved from any group size loads into any other.
 void load_full_state_dict(torch::nn::Module& model, const std::map<std::string, at::Tensor>& state);
+
+// Loads every parameter through `read(name, first_row, rows)`, asking for a sharded
+// parameter only the rows this rank owns, and for a whole one (rows = -1) all of it: a loader
+// backed by memory-mapped files then never holds a full copy of a sharded model. No
+// communication. Names as in full_state_dict; shapes must match the model's.
+using RowReader =
+    std::function<at::Tensor(const std::string& name, int64_t first_row, int64_t rows)>;
+void load_state_dict_by_rows(torch::nn::Module& model, const RowReader& read);
 
 // Clips the gradients of a wrapped model by their global norm across ranks (shards summed
 // over the group; replicated parameters counted once, from rank 0) and returns that norm.

@@ -17,4 +17,9 @@ void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
 // Builds the model from dir/config.json and loads its weights by name.
 CausalLM load_pretrained(const std::filesystem::path& dir);
 
+// Loads dir's weights into `model` that is already wrapped (fsdp2_wrap / fully_shard): each
+// rank reads only the rows it owns straight from the memory-mapped safetensors files, so no
+// rank holds a full copy of the sharded weights. Also works on an unwrapped model.
+void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::path& dir);
+
 }  // namespace mdist::hf
