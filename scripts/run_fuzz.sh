@@ -68,43 +68,34 @@ mkdir -p "$work/corpus" "$work/seeds" "$artifacts"
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1}"
 
-log="$build/object_decoder_fuzzer.log"
-# New inputs go to the first corpus directory (a temporary one); the generated seeds and the
-# committed corpus (reproducers of past bugs) are only read.
-set +e
-"$build/bin/object_decoder_fuzzer" -max_total_time="$seconds" -rss_limit_mb=4096 -max_len=65536 \
-  -timeout=30 -print_final_stats=1 -artifact_prefix="$artifacts/" "$@" \
-  "$work/corpus" "$work/seeds" "$repo/fuzz/corpus/object_decoder" > "$log" 2>&1
-status=$?
-set -e
+# Runs one fuzzer for the budget. New inputs go to the first corpus directory (a temporary
+# one); the other directories (generated seeds, committed reproducers, fixtures) are only read.
+#   fuzz NAME NEW_CORPUS_DIR READ_ONLY_CORPUS_DIR...
+fuzz() {
+  local name="$1" corpus_dir="$2"
+  shift 2
+  local log="$build/$name.log"
+  mkdir -p "$corpus_dir"
+  set +e
+  "$build/bin/$name" -max_total_time="$seconds" -rss_limit_mb=4096 -max_len=65536 \
+    -timeout=30 -print_final_stats=1 -artifact_prefix="$artifacts/" "${extra_args[@]}" \
+    "$corpus_dir" "$@" > "$log" 2>&1
+  local status=$?
+  set -e
+  local runs corpus
+  runs="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)"
+  corpus="$(find "$corpus_dir" -type f | wc -l)"
+  if [[ $status -ne 0 ]]; then
+    tail -n 80 "$log" >&2
+    echo "run_fuzz: $name FAILED (exit $status) after ${runs:-?} executions;" \
+      "reproducer in $artifacts, full log $log" >&2
+    exit 1
+  fi
+  echo "run_fuzz: $name OK: ${runs:-?} executions in ${seconds} s, $corpus new corpus units"
+}
 
-runs="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)"
-corpus="$(find "$work/corpus" -type f | wc -l)"
-if [[ $status -ne 0 ]]; then
-  tail -n 80 "$log" >&2
-  echo "run_fuzz: object_decoder_fuzzer FAILED (exit $status) after ${runs:-?} executions;" \
-    "reproducer in $artifacts, full log $log" >&2
-  exit 1
-fi
-echo "run_fuzz: object_decoder_fuzzer OK: ${runs:-?} executions in ${seconds} s, $corpus new corpus units"
-
+extra_args=("$@")
+fuzz object_decoder_fuzzer "$work/corpus" "$work/seeds" "$repo/fuzz/corpus/object_decoder"
 # The safetensors reader: same budget, seeded with the test fixtures (files written by the
 # official safetensors library).
-log="$build/safetensors_fuzzer.log"
-mkdir -p "$work/safetensors_corpus"
-set +e
-"$build/bin/safetensors_fuzzer" -max_total_time="$seconds" -rss_limit_mb=4096 -max_len=65536 \
-  -timeout=30 -print_final_stats=1 -artifact_prefix="$artifacts/" "$@" \
-  "$work/safetensors_corpus" "$repo/tests/hf/fixtures" > "$log" 2>&1
-status=$?
-set -e
-
-runs="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)"
-corpus="$(find "$work/safetensors_corpus" -type f | wc -l)"
-if [[ $status -ne 0 ]]; then
-  tail -n 80 "$log" >&2
-  echo "run_fuzz: safetensors_fuzzer FAILED (exit $status) after ${runs:-?} executions;" \
-    "reproducer in $artifacts, full log $log" >&2
-  exit 1
-fi
-echo "run_fuzz: safetensors_fuzzer OK: ${runs:-?} executions in ${seconds} s, $corpus new corpus units"
+fuzz safetensors_fuzzer "$work/safetensors_corpus" "$repo/tests/hf/fixtures"

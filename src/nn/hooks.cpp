@@ -82,22 +82,28 @@ void HookHandle::remove() {
   module_ = nullptr;
 }
 
-HookHandle register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook) {
+namespace {
+
+// Adds `hook` to `module`'s pre- or post-hook list (`list` selects which).
+template <class Hook>
+HookHandle add_hook(torch::nn::Module& module, Hook hook,
+                    std::vector<std::pair<std::uint64_t, Hook>> ModuleHooks::*list) {
   auto& r = registry();
   const std::lock_guard lock(r.mutex);
   const auto id = r.next_id++;
-  hooks_for_new(r, module).pre.emplace_back(id, std::move(hook));
+  (hooks_for_new(r, module).*list).emplace_back(id, std::move(hook));
   ++r.count;
   return {&module, id};
 }
 
+}  // namespace
+
+HookHandle register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook) {
+  return add_hook(module, std::move(hook), &ModuleHooks::pre);
+}
+
 HookHandle register_forward_hook(torch::nn::Module& module, ForwardHook hook) {
-  auto& r = registry();
-  const std::lock_guard lock(r.mutex);
-  const auto id = r.next_id++;
-  hooks_for_new(r, module).post.emplace_back(id, std::move(hook));
-  ++r.count;
-  return {&module, id};
+  return add_hook(module, std::move(hook), &ModuleHooks::post);
 }
 
 bool has_hooks(const torch::nn::Module& module) {
