@@ -237,6 +237,7 @@ void cleanup() {
   }
   if (!unwinding && !barrier_error) {
     try {
+      const QuietTorchLogs quiet;  // a store already closed by rank 0 is expected here
       leave_store(*state);
     } catch (const std::exception&) {
       // The job is over either way; a store that went away early changes nothing.

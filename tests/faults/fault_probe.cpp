@@ -28,6 +28,13 @@ int probe(int argc, char** argv) {
               << mdist::allreduce(mdist::rank()) << std::endl;
     return 0;
   }
+  if (mode == "exception-in-session") {
+    const mdist::Session session(options);
+    // Rank 0 fails while its peers wait in cleanup's barrier: the Session must not wait for
+    // them (the launcher then ends the job).
+    if (mdist::rank() == 0) throw std::runtime_error("boom on rank 0");
+    return 0;
+  }
   mdist::setup(timeout);
   const int me = mdist::rank();
   if (mode == "collective-timeout") {
@@ -51,12 +58,6 @@ int probe(int argc, char** argv) {
   } else if (mode == "abort") {
     if (me == 1) mdist::abort(7);
     std::this_thread::sleep_for(30s);
-  } else if (mode == "exception-in-session") {
-    mdist::cleanup();  // and join again, as a program running two jobs in turn would
-    const mdist::Session session(options);
-    // Rank 0 fails while its peers wait in cleanup's barrier: the Session must not wait for
-    // them (the launcher then ends the job).
-    if (mdist::rank() == 0) throw std::runtime_error("boom on rank 0");
   } else {
     throw std::invalid_argument("fault_probe: unknown mode " + mode);
   }
