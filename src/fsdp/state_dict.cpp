@@ -67,6 +67,22 @@ std::map<std::string, ShardedTensor> sharded_state_dict(torch::nn::Module& model
   return state;
 }
 
+std::map<std::string, ParamPlacement> param_placements(torch::nn::Module& model) {
+  std::map<std::string, ParamPlacement> placements;
+  for (const auto& item : model.named_parameters()) {
+    const auto managed = detail::find_managed(item.value());
+    if (!managed) {
+      const auto& p = item.value();
+      placements[item.key()] = {p, p.sizes().vec(), 0, p.dim() > 0 ? p.size(0) : 1, false};
+      continue;
+    }
+    const auto& p = managed->param();
+    const auto rows = detail::owned_rows(p, managed->unit->rank);
+    placements[item.key()] = {item.value(), p.full_shape, rows.first, rows.count, true};
+  }
+  return placements;
+}
+
 void load_sharded_state_dict(torch::nn::Module& model,
                              const std::map<std::string, ShardedTensor>& state) {
   constexpr const char* kOp = "load_sharded_state_dict";

@@ -1,6 +1,7 @@
 #include "launch.h"
 
 #include <sys/prctl.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -52,6 +53,7 @@ int launch(const LaunchOptions& options) {
       .master_port = rendezvous.master_port,
       .run_id = make_run_id(options.nnodes),
       .omp_num_threads = force_omp_threads ? std::optional<std::string>("1") : std::nullopt,
+      .stdout_is_tty = isatty(STDOUT_FILENO) == 1,
   };
 
   // Blocked before the first fork so no SIGCHLD or Ctrl-C can slip by unnoticed.

@@ -15,17 +15,19 @@ class OutputPrefixer {
 
   explicit OutputPrefixer(int global_rank, std::size_t max_pending = kMaxPendingLine);
 
-  // Appends every line completed by `chunk` (prefixed, newline-terminated) to `out`.
+  // Appends every line completed by `chunk` (prefixed, newline-terminated) to `out`, and
+  // every segment ended by '\r' (prefixed, '\r'-terminated).
   void feed(std::string_view chunk, std::string& out);
   // At EOF: appends the unterminated last line, if any, with a newline added.
   void finish(std::string& out);
 
  private:
-  void emit(std::string_view line, std::string& out);
+  void emit(std::string_view line, std::string& out, char terminator);
 
   std::string prefix_;
   std::string pending_;
   std::size_t max_pending_;
+  bool after_cr_ = false;  // the last segment emitted ended in '\r'
 };
 
 }  // namespace mdist::launcher

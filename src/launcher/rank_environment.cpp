@@ -35,6 +35,7 @@ std::vector<std::string> build_rank_environment(const JobLayout& layout, int loc
       {"TORCHELASTIC_RESTART_COUNT", "0"},
       {"TORCHELASTIC_MAX_RESTARTS", "0"},
       {"TORCHELASTIC_RUN_ID", layout.run_id},
+      {"MDIST_STDOUT_IS_TTY", layout.stdout_is_tty ? "1" : "0"},
   };
   if (layout.omp_num_threads) vars.emplace_back("OMP_NUM_THREADS", *layout.omp_num_threads);
   if (store_listen_fd) vars.emplace_back(kStoreListenFdVar, std::to_string(*store_listen_fd));

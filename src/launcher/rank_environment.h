@@ -19,6 +19,9 @@ struct JobLayout {
   std::string run_id;
   // Set when OMP_NUM_THREADS is to be forced (torchrun does so for nproc > 1 when unset).
   std::optional<std::string> omp_num_threads;
+  // Whether the launcher's own stdout is a terminal. Ranks write into a pipe to the launcher,
+  // so they learn it from MDIST_STDOUT_IS_TTY (e.g. to draw a progress bar in place).
+  bool stdout_is_tty = false;
 
   [[nodiscard]] int world_size() const { return nnodes * nproc_per_node; }
   [[nodiscard]] int global_rank(int local_rank) const {

@@ -141,6 +141,14 @@ int checked_rank_in(const Group& group, const char* op) {
 
 }  // namespace
 
+bool nccl_compiled() {
+#ifdef MDIST_HAS_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool setup(const SetupOptions& options) {
   if (runtime_state()) {
     throw Error("mdist: setup() called twice; call cleanup() before joining another job");

@@ -201,6 +201,21 @@ TEST(LauncherOutputPrefixer, EmitsOverlongLinesInsteadOfBufferingForever) {
   EXPECT_EQ(out, "[rank0]: abcdef\n[rank0]: x\n");
 }
 
+TEST(LauncherOutputPrefixer, PassesCarriageReturnSegmentsOnForRedrawnLines) {
+  OutputPrefixer prefixer(0);
+  std::string out;
+  prefixer.feed("step 1\r", out);
+  EXPECT_EQ(out, "[rank0]: step 1\r");
+  prefixer.feed("step 2\rstep 3", out);
+  EXPECT_EQ(out, "[rank0]: step 1\r[rank0]: step 2\r");
+  prefixer.feed("\r\n", out);  // the bar's last redraw, then its line ends: no empty line
+  EXPECT_EQ(out, "[rank0]: step 1\r[rank0]: step 2\r[rank0]: step 3\r\n");
+  prefixer.feed("a\r\nb\n\n", out);  // CRLF; an empty line after a plain one stays a line
+  EXPECT_EQ(out,
+            "[rank0]: step 1\r[rank0]: step 2\r[rank0]: step 3\r\n[rank0]: a\r\n[rank0]: b\n"
+            "[rank0]: \n");
+}
+
 TEST(LauncherExitStatus, DescribesAndMapsToShellCodes) {
   const ExitStatus code{.signaled = false, .value = 3};
   EXPECT_EQ(code.describe(), "exited with code 3");

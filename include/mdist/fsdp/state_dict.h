@@ -45,6 +45,21 @@ using RowReader =
     std::function<at::Tensor(const std::string& name, int64_t first_row, int64_t rows)>;
 void load_state_dict_by_rows(torch::nn::Module& model, const RowReader& read);
 
+// Where each parameter of a (possibly wrapped) model lives on this rank, keyed as in
+// full_state_dict: `param` is the tensor the model registers, the one an optimizer holds (for
+// a sharded parameter this rank's padded shard); rows [row_offset, row_offset + rows) of a
+// tensor of full_shape are this rank's, stored in param's first `rows` rows. A parameter no
+// unit manages is whole on every rank (sharded = false). For per-parameter state that follows
+// the parameter's layout, e.g. an optimizer's moments in a checkpoint.
+struct ParamPlacement {
+  at::Tensor param;
+  std::vector<int64_t> full_shape;
+  int64_t row_offset = 0;
+  int64_t rows = 0;
+  bool sharded = false;
+};
+std::map<std::string, ParamPlacement> param_placements(torch::nn::Module& model);
+
 // Clips the gradients of a wrapped model by their global norm across ranks (shards summed
 // over the group; replicated parameters counted once, from rank 0) and returns that norm.
 // norm_type: 2 or infinity.

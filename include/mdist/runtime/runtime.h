@@ -51,6 +51,9 @@ class Session {
 };
 
 bool is_available();
+// Whether this build of mdist has the NCCL backend (built with MDIST_WITH_CUDA); CUDA devices
+// may still be absent at run time (torch::cuda::is_available()).
+bool nccl_compiled();
 bool is_initialized();
 // The backend spec of the default group; empty when not initialized.
 std::optional<std::string> backend();

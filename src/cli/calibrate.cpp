@@ -1,0 +1,123 @@
+// `mdist calibrate`: post-training-quantization calibration. Forward-only passes over data
+// split across the data-parallel group record, for every Linear, the absolute max of its input
+// and of its weight; each rank's maxima are synced with get_dist_syncd_obj (max) over the
+// ParallelState's data-parallel group and written as JSON keyed by module name.
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "mdist/groups/parallel_state.h"
+#include "mdist/hf/safetensors.h"
+#include "mdist/nn/hooks.h"
+#include "mdist/runtime/runtime.h"
+#include "src/cli/commands.h"
+#include "src/cli/forward_split.h"
+#include "src/cli/job.h"
+
+namespace mdist::cli {
+namespace {
+
+// module name -> (input abs max, weight abs max)
+using AbsMax = std::map<std::string, std::pair<double, double>>;
+
+AbsMax elementwise_max(const std::vector<AbsMax>& per_rank) {
+  AbsMax result;
+  for (const auto& stats : per_rank) {
+    for (const auto& [name, value] : stats) {
+      auto& slot = result[name];
+      slot.first = std::max(slot.first, value.first);
+      slot.second = std::max(slot.second, value.second);
+    }
+  }
+  return result;
+}
+
+}  // namespace
+
+int run_calibrate(const CalibrateOptions& o) {
+  const Session session;
+  configure_threads();
+  ModelChoice choice;
+  TokenStream data;
+  agree_on_inputs([&] {
+    if (o.max_sequences < 0) throw InputError("--max-sequences must not be negative");
+    check_writable_file(o.out, "output file");
+    choice = model_for_inference(o.io.model_dir, o.default_run);
+    data = load_data(o.io, DataSplit::train, choice.config.vocab_size);
+    const Windows windows(data, o.io.seq_len, "calibrate");
+    if (o.io.seq_len > choice.config.max_position_embeddings) {
+      throw InputError("--seq-len " + std::to_string(o.io.seq_len) +
+                       " exceeds the model's max_position_embeddings " +
+                       std::to_string(choice.config.max_position_embeddings));
+    }
+  });
+  const Windows windows(data, o.io.seq_len, "calibrate");
+  const ParallelState parallel;  // data parallel over the world
+  hf::CausalLM model = build_wrapped_model(choice, o.io.seed);
+  model->eval();
+  const torch::NoGradGuard no_grad;
+
+  AbsMax stats;
+  bool recording = true;
+  std::vector<nn::HookHandle> hooks;
+  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+    auto* linear = dynamic_cast<torch::nn::LinearImpl*>(item.value().get());
+    if (linear == nullptr) continue;
+    stats[item.key()] = {0.0, 0.0};
+    // A pre-hook: the module's weight is whole here (its FSDP unit has gathered it).
+    hooks.push_back(nn::register_forward_pre_hook(
+        *linear,
+        [&stats, &recording, name = item.key()](torch::nn::Module& module, nn::TensorRefs& inputs) {
+          if (!recording || inputs.empty()) return;
+          auto& slot = stats[name];
+          slot.first = std::max(slot.first, inputs.front()->abs().max().item<double>());
+          const auto& weight = static_cast<torch::nn::LinearImpl&>(module).weight;
+          slot.second = std::max(slot.second, weight.abs().max().item<double>());
+        }));
+  }
+
+  const int64_t total =
+      o.max_sequences > 0 ? std::min(o.max_sequences, windows.count()) : windows.count();
+  say("mdist calibrate: model " + choice.description);
+  say("mdist calibrate: " + std::to_string(total) + " sequences of " +
+      std::to_string(o.io.seq_len) + " tokens from " + data.description + ", " +
+      std::to_string(stats.size()) + " Linear modules, data parallel over " +
+      std::to_string(parallel.data_parallel_group.world_size()) + " rank(s)");
+  // One sequence per forward: a sequence's activations are then computed the same way
+  // whatever the number of ranks, so the maxima (and the JSON) are identical bit for bit.
+  const auto plan = plan_forwards(total, parallel.data_parallel_group.world_size(),
+                                  parallel.data_parallel_group.rank(), 1);
+  for (int64_t round = 0; round < plan.rounds; ++round) {
+    const bool real = round < static_cast<int64_t>(plan.windows.size());
+    recording = real;
+    model->forward(batch_of(windows, {real ? plan.windows[static_cast<std::size_t>(round)] : 0}));
+  }
+  recording = false;
+  for (auto& hook : hooks) hook.remove();
+
+  const AbsMax synced = DistributedProcessGroup::get_dist_syncd_obj(
+      stats, parallel.data_parallel_group, elementwise_max);
+  if (rank() == 0) {
+    nlohmann::ordered_json modules = nlohmann::ordered_json::object();
+    for (const auto& [name, value] : synced) {
+      modules[name] = {{"input_absmax", value.first}, {"weight_absmax", value.second}};
+    }
+    const nlohmann::ordered_json result = {{"format", "mdist.calibration.v1"},
+                                           {"statistic", "absmax"},
+                                           {"model", choice.description},
+                                           {"data", data.description},
+                                           {"sequences", total},
+                                           {"seq_len", o.io.seq_len},
+                                           {"modules", modules}};
+    if (o.out.has_parent_path()) std::filesystem::create_directories(o.out.parent_path());
+    hf::write_file_atomically(o.out, result.dump(2) + "\n");
+    say("mdist calibrate: wrote " + o.out.string());
+  }
+  barrier();
+  return 0;
+}
+
+}  // namespace mdist::cli

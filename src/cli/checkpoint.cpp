@@ -1,0 +1,283 @@
+#include "src/cli/checkpoint.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <vector>
+
+#include "mdist/fsdp/state_dict.h"
+#include "mdist/hf/pretrained.h"
+#include "mdist/hf/safetensors.h"
+#include "mdist/runtime/runtime.h"
+#include "src/cli/input_error.h"
+
+namespace mdist::cli {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr const char* kOptimizerFormat = "mdist.adamw.rows.v1";
+
+std::string step_name(int step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%08d", step);
+  return name;
+}
+
+std::string rank_file(int rank, int world) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "rank-%05d-of-%05d.safetensors", rank, world);
+  return name;
+}
+
+std::string to_hex(const at::Tensor& bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  const auto* data = bytes.data_ptr<uint8_t>();
+  std::string hex;
+  hex.reserve(static_cast<std::size_t>(bytes.numel()) * 2);
+  for (int64_t i = 0; i < bytes.numel(); ++i) {
+    hex.push_back(kDigits[data[i] >> 4]);
+    hex.push_back(kDigits[data[i] & 15]);
+  }
+  return hex;
+}
+
+at::Tensor from_hex(const std::string& hex) {
+  auto bytes = torch::empty({static_cast<int64_t>(hex.size() / 2)}, torch::kUInt8);
+  auto* data = bytes.data_ptr<uint8_t>();
+  const auto digit = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
+  for (std::size_t i = 0; i + 1 < hex.size(); i += 2) {
+    data[i / 2] = static_cast<uint8_t>(digit(hex[i]) * 16 + digit(hex[i + 1]));
+  }
+  return bytes;
+}
+
+std::string cpu_rng_state() {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  const std::lock_guard<std::mutex> lock(generator.mutex());
+  return to_hex(generator.get_state());
+}
+
+void set_cpu_rng_state(const std::string& hex) {
+  if (hex.empty()) return;
+  auto generator = at::detail::getDefaultCPUGenerator();
+  const std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(from_hex(hex));
+}
+
+torch::optim::AdamWParamState* adamw_state(torch::optim::Optimizer& optimizer,
+                                           const at::Tensor& param) {
+  auto& states = optimizer.state();
+  const auto it = states.find(param.unsafeGetTensorImpl());
+  if (it == states.end()) return nullptr;
+  return dynamic_cast<torch::optim::AdamWParamState*>(it->second.get());
+}
+
+// Rows [0, rows) of a moment (a shard's padding rows are not saved), as a contiguous tensor.
+at::Tensor owned(const at::Tensor& moment, int64_t rows) {
+  if (moment.dim() == 0) return moment.reshape({1}).contiguous();
+  return moment.narrow(0, 0, rows).contiguous();
+}
+
+void write_optimizer_rows(const fs::path& file, hf::CausalLM& model,
+                          torch::optim::Optimizer& optimizer) {
+  std::map<std::string, at::Tensor> tensors;
+  std::map<std::string, std::string> metadata{{"format", kOptimizerFormat}};
+  for (const auto& [name, place] : param_placements(*model)) {
+    // A whole (unsharded) parameter has the same moments on every rank: rank 0 writes them.
+    if (place.rows == 0 || (!place.sharded && rank() != 0)) continue;
+    const auto* state = adamw_state(optimizer, place.param);
+    if (state == nullptr) continue;
+    for (const auto& [kind, moment] :
+         {std::pair{"exp_avg", state->exp_avg()}, std::pair{"exp_avg_sq", state->exp_avg_sq()}}) {
+      const std::string key = name + "/" + kind;
+      tensors[key] = owned(moment, place.rows).to(torch::kCPU);
+      metadata[key] = std::to_string(place.row_offset);
+    }
+  }
+  hf::save_safetensors(file, tensors, metadata);
+}
+
+// Every rank's rows of every moment, from all the optimizer files of a checkpoint.
+class OptimizerRows {
+ public:
+  explicit OptimizerRows(const fs::path& dir) {
+    std::error_code ec;
+    std::vector<fs::path> paths;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      if (entry.path().extension() == ".safetensors") paths.push_back(entry.path());
+    }
+    std::sort(paths.begin(), paths.end());
+    for (const auto& path : paths) {
+      files_.push_back(std::make_unique<hf::SafetensorsFile>(path));
+      const auto& file = *files_.back();
+      const auto format = file.metadata().find("format");
+      if (format == file.metadata().end() || format->second != kOptimizerFormat) {
+        throw InputError("'" + path.string() + "' is not an mdist optimizer state file");
+      }
+      for (const auto& key : file.names()) {
+        const auto offset = file.metadata().find(key);
+        if (offset == file.metadata().end()) {
+          throw InputError("'" + path.string() + "' has no row offset for '" + key + "'");
+        }
+        pieces_[key].push_back({&file, std::stoll(offset->second), file.info(key).shape.at(0)});
+      }
+    }
+  }
+
+  bool empty() const { return pieces_.empty(); }
+
+  // Rows [first, first + rows) of `key` into target's first `rows` rows.
+  void read(const std::string& key, int64_t first, int64_t rows, at::Tensor target) const {
+    const auto it = pieces_.find(key);
+    if (it == pieces_.end()) throw InputError("optimizer state has no '" + key + "'");
+    int64_t covered = 0;
+    for (const auto& piece : it->second) {
+      const int64_t lo = std::max(first, piece.offset);
+      const int64_t hi = std::min(first + rows, piece.offset + piece.rows);
+      if (lo >= hi) continue;
+      const at::Tensor source = piece.file->read_rows(key, lo - piece.offset, hi - lo);
+      target.narrow(0, lo - first, hi - lo)
+          .copy_(source.view(target.narrow(0, lo - first, hi - lo).sizes()));
+      covered += hi - lo;
+    }
+    if (covered != rows) {
+      throw InputError("optimizer state for '" + key + "' covers " + std::to_string(covered) +
+                       " of the " + std::to_string(rows) + " rows needed");
+    }
+  }
+
+ private:
+  struct Piece {
+    const hf::SafetensorsFile* file;
+    int64_t offset;
+    int64_t rows;
+  };
+  std::vector<std::unique_ptr<hf::SafetensorsFile>> files_;
+  std::map<std::string, std::vector<Piece>> pieces_;
+};
+
+void replace_directory(const fs::path& from, const fs::path& to) {
+  const fs::path old = to.parent_path() / ("." + to.filename().string() + ".old");
+  std::error_code ec;
+  fs::remove_all(old, ec);
+  if (fs::exists(to)) fs::rename(to, old);
+  fs::rename(from, to);
+  fs::remove_all(old, ec);
+}
+
+void prune(const fs::path& dir, int keep) {
+  std::vector<fs::path> steps;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const auto name = entry.path().filename().string();
+    if (entry.is_directory() && name.rfind("step-", 0) == 0) steps.push_back(entry.path());
+  }
+  std::sort(steps.begin(), steps.end());
+  const auto excess = static_cast<std::ptrdiff_t>(steps.size()) - std::max(1, keep);
+  for (std::ptrdiff_t i = 0; i < excess; ++i)
+    fs::remove_all(steps[static_cast<std::size_t>(i)], ec);
+}
+
+}  // namespace
+
+void save_training_checkpoint(const fs::path& run_dir, hf::CausalLM& model,
+                              torch::optim::Optimizer& optimizer, const TrainerState& state,
+                              int keep) {
+  const fs::path dir = run_dir / "checkpoints";
+  const std::string name = step_name(state.step);
+  const fs::path tmp = dir / (".tmp-" + name);
+  if (rank() == 0) {
+    fs::remove_all(tmp);
+    fs::create_directories(tmp / "optimizer");
+  }
+  barrier();
+  hf::save_pretrained(model, tmp);  // collective; rank 0 writes
+  write_optimizer_rows(tmp / "optimizer" / rank_file(rank(), size()), model, optimizer);
+  if (rank() == 0) {
+    const nlohmann::json trainer = {
+        {"format", "mdist.trainer_state.v1"},
+        {"step", state.step},
+        {"sequences_seen", state.sequences_seen},
+        {"world_size", size()},
+        {"run", state.run},
+        {"cpu_rng_state", cpu_rng_state()},
+    };
+    hf::write_file_atomically(tmp / "trainer_state.json", trainer.dump(2) + "\n");
+  }
+  barrier();  // every rank's files are complete
+  if (rank() == 0) {
+    replace_directory(tmp, dir / name);
+    hf::write_file_atomically(dir / "latest", name + "\n");
+    prune(dir, keep);
+  }
+  barrier();
+}
+
+std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
+  const fs::path dir = run_dir / "checkpoints";
+  std::error_code ec;
+  std::ifstream latest(dir / "latest");
+  std::string name;
+  if (latest && std::getline(latest, name) && !name.empty() &&
+      fs::exists(dir / name / "trainer_state.json", ec)) {
+    return dir / name;
+  }
+  // No (or a stale) pointer: the newest complete step directory.
+  std::optional<fs::path> newest;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const auto file = entry.path().filename().string();
+    if (file.rfind("step-", 0) == 0 && fs::exists(entry.path() / "trainer_state.json", ec) &&
+        (!newest || entry.path() > *newest)) {
+      newest = entry.path();
+    }
+  }
+  return newest;
+}
+
+TrainerState read_trainer_state(const fs::path& checkpoint) {
+  std::ifstream in(checkpoint / "trainer_state.json");
+  if (!in) throw InputError("checkpoint '" + checkpoint.string() + "' has no trainer_state.json");
+  const auto json = nlohmann::json::parse(in, nullptr, false);
+  if (!json.is_object() || json.value("format", "") != "mdist.trainer_state.v1") {
+    throw InputError("checkpoint '" + checkpoint.string() + "': trainer_state.json is malformed");
+  }
+  TrainerState state;
+  state.step = json.value("step", 0);
+  state.sequences_seen = json.value("sequences_seen", int64_t{0});
+  state.run = json.value("run", nlohmann::json::object());
+  state.rng_state_hex = json.value("cpu_rng_state", "");
+  return state;
+}
+
+void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
+                              torch::optim::Optimizer& optimizer, const TrainerState& state) {
+  hf::load_checkpoint_sharded(*model, checkpoint);
+  const OptimizerRows rows(checkpoint / "optimizer");
+  if (rows.empty() && state.step > 0) {
+    throw InputError("checkpoint '" + checkpoint.string() + "' has no optimizer state");
+  }
+  const torch::NoGradGuard no_grad;
+  for (const auto& [name, place] : param_placements(*model)) {
+    auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+    fresh->step(state.step);
+    auto exp_avg = torch::zeros_like(place.param, at::MemoryFormat::Contiguous);
+    auto exp_avg_sq = torch::zeros_like(place.param, at::MemoryFormat::Contiguous);
+    if (place.rows > 0) {
+      const auto target = [&](at::Tensor& t) { return t.dim() == 0 ? t.view({1}) : t; };
+      rows.read(name + "/exp_avg", place.row_offset, place.rows, target(exp_avg));
+      rows.read(name + "/exp_avg_sq", place.row_offset, place.rows, target(exp_avg_sq));
+    }
+    fresh->exp_avg(exp_avg);
+    fresh->exp_avg_sq(exp_avg_sq);
+    optimizer.state()[place.param.unsafeGetTensorImpl()] = std::move(fresh);
+  }
+  set_cpu_rng_state(state.rng_state_hex);
+}
+
+}  // namespace mdist::cli

@@ -1,0 +1,50 @@
+#pragma once
+// Training checkpoints of `mdist train`, in RUN/checkpoints/step-NNNNNNNN/:
+//   config.json, model.safetensors (or shards + index)   the Hugging Face layout, loadable by
+//                                                        transformers and by --model
+//   optimizer/rank-RRRRR-of-WWWWW.safetensors            each rank's rows of AdamW's moments
+//   trainer_state.json                                   step, data position, RNG, run flags
+// and RUN/checkpoints/latest naming the newest. A checkpoint is written into a hidden temporary
+// directory and renamed into place only once every rank has finished its part, so a crash
+// mid-save leaves the previous checkpoint intact and `latest` never names a partial one.
+// The optimizer state is stored by rows of the full parameters, so a checkpoint written by W
+// ranks resumes on any number of ranks. The directory must be on a file system every rank sees.
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "mdist/hf/causal_lm.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace mdist::cli {
+
+struct TrainerState {
+  int step = 0;                     // optimizer steps done
+  std::int64_t sequences_seen = 0;  // data position: sequences of the window order consumed
+  nlohmann::json run;               // the run's flags (seq_len, global_batch, seed, data, ...)
+  std::string rng_state_hex;        // libtorch's default CPU generator
+};
+
+// Collective. `keep`: how many checkpoints to keep (older ones are removed).
+void save_training_checkpoint(const std::filesystem::path& run_dir, hf::CausalLM& model,
+                              torch::optim::Optimizer& optimizer, const TrainerState& state,
+                              int keep);
+
+// The newest complete checkpoint of a run, if any.
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
+
+// Reads trainer_state.json (InputError when missing or malformed).
+TrainerState read_trainer_state(const std::filesystem::path& checkpoint);
+
+// Loads the model's rows and the optimizer's moments (each rank its own rows) and restores the
+// RNG. The optimizer must hold the model's parameters.
+void load_training_checkpoint(const std::filesystem::path& checkpoint, hf::CausalLM& model,
+                              torch::optim::Optimizer& optimizer, const TrainerState& state);
+
+}  // namespace mdist::cli

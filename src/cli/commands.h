@@ -1,0 +1,71 @@
+#pragma once
+// The subcommands of the `mdist` command and their options (parsed in main.cpp). Each run_*
+// joins the job described by the environment (mdistrun / torchrun variables; a plain process
+// is a job of one rank), checks its inputs on every rank and agrees on them before any output
+// file is created, and returns the process exit code.
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+namespace mdist::cli {
+
+// Where the model and the data come from. Empty model_dir: the embedded default (see each
+// command); empty data: the embedded corpus.
+struct ModelDataOptions {
+  std::optional<std::filesystem::path> model_dir;
+  std::optional<std::filesystem::path> data;
+  std::string data_format = "auto";
+  std::string split = "auto";  // auto: train/eval split of the embedded corpus, else "all"
+  std::int64_t seq_len = 128;
+  std::uint64_t seed = 1234;
+};
+
+struct TrainOptions {
+  ModelDataOptions io;
+  std::filesystem::path out = "runs/default";
+  int steps = 300;
+  std::int64_t global_batch = 16;
+  double lr = 3e-3;
+  double min_lr_ratio = 0.1;
+  int warmup = 30;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;
+  int save_every = 100;  // 0: only at the end
+  int keep = 2;          // checkpoints kept (the newest)
+  int log_every = 10;
+  bool resume = false;
+};
+
+struct EvalOptions {
+  ModelDataOptions io;
+  std::int64_t batch_size = 8;               // sequences per forward on each rank
+  std::optional<std::filesystem::path> out;  // JSON result
+  std::filesystem::path default_run = "runs/default";
+};
+
+struct CalibrateOptions {
+  ModelDataOptions io;
+  std::int64_t max_sequences = 64;  // 0: all
+  std::filesystem::path out = "runs/default/calibration.json";
+  std::filesystem::path default_run = "runs/default";
+};
+
+struct GenerateOptions {
+  std::optional<std::filesystem::path> model_dir;
+  std::string prompt = "MACBETH.\n";
+  int max_new_tokens = 300;
+  double temperature = 0.8;
+  int top_k = 40;
+  bool greedy = false;
+  std::uint64_t seed = 1234;
+  std::filesystem::path default_run = "runs/default";
+};
+
+int run_train(const TrainOptions& options);
+int run_eval(const EvalOptions& options);
+int run_calibrate(const CalibrateOptions& options);
+int run_generate(const GenerateOptions& options);
+int run_info();
+
+}  // namespace mdist::cli

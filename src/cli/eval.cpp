@@ -1,0 +1,89 @@
+// `mdist eval`: perplexity of a model on data, loss sums and token counts reduced across ranks.
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+
+#include "mdist/hf/safetensors.h"
+#include "mdist/objects/collectives.h"
+#include "mdist/runtime/runtime.h"
+#include "src/cli/commands.h"
+#include "src/cli/forward_split.h"
+#include "src/cli/job.h"
+
+namespace mdist::cli {
+
+int run_eval(const EvalOptions& o) {
+  const Session session;
+  configure_threads();
+  ModelChoice choice;
+  TokenStream data;
+  agree_on_inputs([&] {
+    if (o.batch_size < 1) throw InputError("--batch-size must be at least 1");
+    if (o.out) check_writable_file(*o.out, "output file");
+    choice = model_for_inference(o.io.model_dir, o.default_run);
+    data = load_data(o.io, DataSplit::eval, choice.config.vocab_size);
+    const Windows windows(data, o.io.seq_len, "eval");
+    if (o.io.seq_len > choice.config.max_position_embeddings) {
+      throw InputError("--seq-len " + std::to_string(o.io.seq_len) +
+                       " exceeds the model's max_position_embeddings " +
+                       std::to_string(choice.config.max_position_embeddings));
+    }
+  });
+  const Windows windows(data, o.io.seq_len, "eval");
+  hf::CausalLM model = build_wrapped_model(choice, o.io.seed);
+  model->eval();
+  const torch::NoGradGuard no_grad;
+  say("mdist eval: model " + choice.description);
+  say("mdist eval: data " + data.description + ", " + std::to_string(windows.count()) +
+      " sequences of " + std::to_string(o.io.seq_len) + " tokens on " + std::to_string(size()) +
+      " rank(s)");
+
+  const auto plan = plan_forwards(windows.count(), size(), rank(), o.batch_size);
+  const int64_t T = o.io.seq_len;
+  double loss_sum = 0;
+  int64_t tokens = 0;
+  for (int64_t round = 0; round < plan.rounds; ++round) {
+    const auto first = static_cast<std::size_t>(round * o.batch_size);
+    const int64_t real = std::clamp<int64_t>(
+        static_cast<int64_t>(plan.windows.size()) - static_cast<int64_t>(first), 0, o.batch_size);
+    // A dummy window keeps the collectives going on a rank that has run out.
+    const std::vector<int64_t> which =
+        real > 0
+            ? std::vector<int64_t>(plan.windows.begin() + static_cast<std::ptrdiff_t>(first),
+                                   plan.windows.begin() + static_cast<std::ptrdiff_t>(first) + real)
+            : std::vector<int64_t>{0};
+    const at::Tensor ids = batch_of(windows, which);
+    const at::Tensor logits = model->forward(ids);
+    if (real == 0) continue;
+    // Per-token losses summed in double: the total must not depend on how the sequences were
+    // grouped into batches and ranks.
+    const auto V = logits.size(-1);
+    const at::Tensor per_token = torch::nn::functional::cross_entropy(
+        logits.narrow(1, 0, T - 1).reshape({-1, V}).to(torch::kFloat),
+        ids.narrow(1, 1, T - 1).reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+    loss_sum += per_token.to(torch::kDouble).sum().item<double>();
+    tokens += real * (T - 1);
+  }
+  const double total_loss = allreduce(loss_sum);
+  const int64_t total_tokens = allreduce(tokens);
+  const double mean = total_loss / static_cast<double>(total_tokens);
+  const double perplexity = std::exp(mean);
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "mdist eval: loss %.6f nats/token, perplexity %.6f, %lld tokens predicted", mean,
+                perplexity, static_cast<long long>(total_tokens));
+  say(line);
+  if (o.out && rank() == 0) {
+    const nlohmann::json result = {
+        {"model", choice.description}, {"data", data.description}, {"seq_len", T},
+        {"tokens", total_tokens},      {"loss_sum", total_loss},   {"loss", mean},
+        {"perplexity", perplexity}};
+    hf::write_file_atomically(*o.out, result.dump(2) + "\n");
+  }
+  return 0;
+}
+
+}  // namespace mdist::cli

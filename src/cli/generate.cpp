@@ -1,0 +1,72 @@
+// `mdist generate`: samples bytes from a byte-level causal LM (greedy, temperature, top-k).
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "mdist/objects/collectives.h"
+#include "mdist/runtime/runtime.h"
+#include "src/cli/commands.h"
+#include "src/cli/job.h"
+
+namespace mdist::cli {
+
+int run_generate(const GenerateOptions& o) {
+  const Session session;
+  configure_threads();
+  ModelChoice choice;
+  agree_on_inputs([&] {
+    if (o.max_new_tokens < 0) throw InputError("--max-new-tokens must not be negative");
+    if (!o.greedy && !(o.temperature > 0)) {
+      throw InputError("--temperature must be positive (or use --greedy)");
+    }
+    if (o.top_k < 0) throw InputError("--top-k must not be negative (0: no limit)");
+    if (o.prompt.empty()) throw InputError("--prompt must not be empty");
+    choice = model_for_inference(o.model_dir, o.default_run);
+    if (choice.config.vocab_size < 256) {
+      throw InputError("generate needs a byte-level model (vocab_size >= 256); this one has " +
+                       std::to_string(choice.config.vocab_size));
+    }
+  });
+  hf::CausalLM model = build_wrapped_model(choice, o.seed);
+  model->eval();
+  const torch::NoGradGuard no_grad;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(o.seed);
+  say("mdist generate: model " + choice.description);
+
+  std::vector<int64_t> tokens;
+  for (const char c : o.prompt) tokens.push_back(static_cast<unsigned char>(c));
+  if (rank() == 0) {
+    std::cout << "----\n" << o.prompt << std::flush;
+  }
+  const auto window = static_cast<std::size_t>(choice.config.max_position_embeddings);
+  for (int i = 0; i < o.max_new_tokens; ++i) {
+    // No KV cache: the whole (truncated) context each time; fine for the small byte models.
+    const std::size_t start = tokens.size() > window ? tokens.size() - window : 0;
+    const auto context =
+        torch::tensor(
+            std::vector<int64_t>(tokens.begin() + static_cast<std::ptrdiff_t>(start), tokens.end()))
+            .unsqueeze(0);
+    at::Tensor logits = model->forward(context).select(1, -1).squeeze(0).to(torch::kFloat);
+    int64_t next = 0;
+    if (o.greedy) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      logits = logits / o.temperature;
+      if (o.top_k > 0 && o.top_k < logits.size(0)) {
+        const auto kth = std::get<0>(logits.topk(o.top_k)).min();
+        logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+      }
+      next = torch::multinomial(logits.softmax(0), 1, false, generator).item<int64_t>();
+    }
+    // Ranks compute the same logits; rank 0's choice is the one every rank continues with.
+    next = broadcast(next);
+    tokens.push_back(next);
+    if (rank() == 0) std::cout << static_cast<char>(next) << std::flush;
+  }
+  if (rank() == 0) std::cout << "\n----" << std::endl;
+  return 0;
+}
+
+}  // namespace mdist::cli

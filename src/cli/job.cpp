@@ -1,0 +1,212 @@
+#include "src/cli/job.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include "mdist/hf/fsdp2_wrap.h"
+#include "mdist/hf/pretrained.h"
+#include "mdist/hf/safetensors.h"
+#include "mdist/objects/collectives.h"
+#include "mdist/runtime/runtime.h"
+#include "src/cli/checkpoint.h"
+
+namespace mdist::cli {
+
+void agree_on_inputs(const std::function<void()>& check) {
+  std::optional<std::string> problem;
+  try {
+    check();
+  } catch (const InputError& error) {
+    problem = error.what();
+  }
+  const auto problems = allgather(problem);
+  for (const auto& p : problems) {
+    if (p) throw AgreedInputError(*p, rank() == 0);
+  }
+}
+
+ModelChoice model_from_dir(const std::filesystem::path& dir) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(dir, ec);
+  if (!std::filesystem::exists(status)) {
+    throw InputError("model directory '" + dir.string() + "' does not exist");
+  }
+  if (!std::filesystem::is_directory(status)) {
+    throw InputError("model directory '" + dir.string() + "' is not a directory");
+  }
+  const auto config_path = dir / "config.json";
+  if (!std::filesystem::exists(config_path, ec)) {
+    throw InputError("model directory '" + dir.string() + "' has no config.json");
+  }
+  if (std::ifstream probe(config_path); !probe) {
+    throw InputError("model directory '" + dir.string() +
+                     "': cannot read config.json: " + std::strerror(errno));
+  }
+  ModelChoice choice;
+  choice.dir = dir;
+  try {
+    choice.config = hf::LlamaConfig::from_file(config_path.string());
+    // Opens and validates every safetensors file (and the index) up front.
+    const hf::SafetensorsCheckpoint weights(dir);
+    (void)weights;
+  } catch (const Error& error) {
+    throw InputError("model directory '" + dir.string() + "': " + error.what());
+  }
+  choice.description = dir.string() + " (" + choice.config.architecture + ")";
+  return choice;
+}
+
+ModelChoice default_model() {
+  ModelChoice choice;
+  choice.config = hf::LlamaConfig::from_json(std::string(embedded_config_json()));
+  choice.description = "the embedded default (data/default/config.json, seeded initialisation)";
+  return choice;
+}
+
+ModelChoice model_for_inference(const std::optional<std::filesystem::path>& dir,
+                                const std::filesystem::path& default_run) {
+  if (dir) return model_from_dir(*dir);
+  if (const auto latest = latest_checkpoint(default_run)) {
+    auto choice = model_from_dir(*latest);
+    choice.description = latest->string() + " (latest checkpoint of the default training run)";
+    return choice;
+  }
+  auto choice = default_model();
+  choice.description += "; no checkpoint in " + default_run.string() +
+                        " yet: run `mdist train` to get a trained model";
+  return choice;
+}
+
+namespace {
+
+void init_weights(hf::CausalLM& model, std::uint64_t seed, double std) {
+  const torch::NoGradGuard no_grad;
+  torch::manual_seed(seed);
+  for (auto& item : model->named_parameters()) {
+    const std::string& name = item.key();
+    at::Tensor p = item.value();
+    const bool norm = name.find("norm.weight") != std::string::npos;
+    if (norm) {
+      p.fill_(1.0);
+    } else if (name.ends_with(".bias")) {
+      p.zero_();
+    } else {
+      p.normal_(0.0, std);
+    }
+  }
+}
+
+}  // namespace
+
+hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed) {
+  hf::CausalLM model = choice.dir ? hf::load_pretrained(*choice.dir) : hf::CausalLM(choice.config);
+  if (!choice.dir) {
+    const auto config = nlohmann::json::parse(choice.config.source_json, nullptr, false);
+    const double std = config.is_object() ? config.value("initializer_range", 0.02) : 0.02;
+    init_weights(model, seed, std);
+  }
+  fsdp2_wrap(*model);
+  return model;
+}
+
+TokenStream load_data(const ModelDataOptions& options, DataSplit default_split,
+                      std::int64_t vocab_size) {
+  const DataFormat format = parse_data_format(options.data_format);
+  DataSplit split = DataSplit::all;
+  if (options.split == "auto") {
+    split = options.data ? DataSplit::all : default_split;
+  } else {
+    split = parse_data_split(options.split);
+  }
+  if (options.data) return load_tokens(*options.data, format, split, vocab_size);
+  return load_tokens_from_bytes(embedded_corpus(), std::string(kEmbeddedCorpusName) + " [embedded]",
+                                DataFormat::text, split, vocab_size);
+}
+
+at::Tensor batch_of(const Windows& windows, const std::vector<std::int64_t>& which) {
+  const int64_t T = windows.seq_len();
+  auto ids = torch::empty({static_cast<int64_t>(which.size()), T}, torch::kInt64);
+  auto* out = ids.data_ptr<int64_t>();
+  for (std::size_t b = 0; b < which.size(); ++b) {
+    const std::int32_t* window = windows.data(which[b]);
+    std::copy(window, window + T, out + static_cast<int64_t>(b) * T);
+  }
+  return ids;
+}
+
+namespace {
+
+// The nearest existing ancestor of `path` (itself included); it must be a directory we can
+// create files in. Probing by creating a file, not access(2): root passes every access check.
+void probe_writable(const std::filesystem::path& path, const char* what) {
+  std::error_code ec;
+  std::filesystem::path existing = std::filesystem::absolute(path, ec);
+  while (!std::filesystem::exists(existing, ec)) {
+    if (!existing.has_parent_path() || existing.parent_path() == existing) break;
+    existing = existing.parent_path();
+  }
+  if (!std::filesystem::is_directory(existing, ec)) {
+    throw InputError(std::string(what) + " '" + path.string() + "' is not writable: '" +
+                     existing.string() + "' is not a directory");
+  }
+  std::string probe = (existing / ".mdist-write-probe-XXXXXX").string();
+  const int fd = mkstemp(probe.data());
+  if (fd < 0) {
+    throw InputError(std::string(what) + " '" + path.string() +
+                     "' is not writable: " + std::strerror(errno));
+  }
+  close(fd);
+  unlink(probe.c_str());
+}
+
+}  // namespace
+
+void check_writable_dir(const std::filesystem::path& dir, const char* what) {
+  std::error_code ec;
+  if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec)) {
+    throw InputError(std::string(what) + " '" + dir.string() + "' exists and is not a directory");
+  }
+  probe_writable(dir, what);
+}
+
+void check_writable_file(const std::filesystem::path& file, const char* what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(file, ec)) {
+    throw InputError(std::string(what) + " '" + file.string() + "' is a directory");
+  }
+  probe_writable(file.has_parent_path() ? file.parent_path() : std::filesystem::path("."), what);
+}
+
+double peak_rss_mib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return 0;
+}
+
+void configure_threads() {
+  if (const char* threads = std::getenv("OMP_NUM_THREADS")) {
+    const int n = std::atoi(threads);
+    if (n > 0) torch::set_num_threads(n);
+  }
+}
+
+void say(const std::string& line) {
+  if (rank() != 0) return;
+  std::cout << line << std::endl;
+}
+
+}  // namespace mdist::cli

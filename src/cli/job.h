@@ -1,0 +1,89 @@
+#pragma once
+// What every subcommand of `mdist` shares: joining the job, agreeing on bad input before any
+// output exists, choosing and building the model, and the data split across data-parallel
+// ranks.
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mdist/groups/parallel_state.h"
+#include "mdist/hf/causal_lm.h"
+#include "src/cli/commands.h"
+#include "src/cli/input_error.h"
+#include "src/cli/token_data.h"
+
+namespace mdist::cli {
+
+// Thrown on every rank when some rank's inputs were bad; rank 0 prints the message once.
+class AgreedInputError : public Error {
+ public:
+  AgreedInputError(const std::string& message, bool reporter)
+      : Error(message), reporter_(reporter) {}
+  // Whether this rank prints the message (rank 0 does; the others stay quiet).
+  bool reporter() const { return reporter_; }
+
+ private:
+  bool reporter_;
+};
+
+// Runs `check` on every rank, then (collectively) compares outcomes: when any rank threw an
+// InputError, every rank throws AgreedInputError carrying the lowest such rank's message. So a
+// bad input ends the job with one line and no half-created output, and a problem seen on one
+// rank only (a file missing on one node) is still reported.
+void agree_on_inputs(const std::function<void()>& check);
+
+// The shipped defaults (compiled into the binary, see src/cli/embedded_data.cmake).
+std::string_view embedded_config_json();
+std::string_view embedded_corpus();
+inline constexpr const char* kEmbeddedCorpusName = "data/corpus/macbeth.txt";
+
+// The model a command runs on: a Hugging Face directory, or the embedded default config with a
+// seeded initialisation.
+struct ModelChoice {
+  std::optional<std::filesystem::path> dir;
+  hf::LlamaConfig config;
+  std::string description;  // for the log
+};
+
+// Checks a model directory (exists, readable, config.json of a supported architecture,
+// safetensors present and valid); throws InputError naming the problem.
+ModelChoice model_from_dir(const std::filesystem::path& dir);
+ModelChoice default_model();
+// `dir` if given; else the latest checkpoint of `default_run` (a default `mdist train`) if there
+// is one; else the embedded default.
+ModelChoice model_for_inference(const std::optional<std::filesystem::path>& dir,
+                                const std::filesystem::path& default_run);
+
+// Builds the model and shards it with fsdp2_wrap: weights from choice.dir, or HF-style seeded
+// initialisation (normal(0, initializer_range) for Linear and Embedding weights, ones for
+// norms, zeros for biases), identical on every rank for a given seed whatever the world size.
+hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed);
+
+// The token stream of a command (embedded corpus or a file), checked against the vocabulary.
+// `default_split` applies to the embedded corpus when options.split is "auto".
+TokenStream load_data(const ModelDataOptions& options, DataSplit default_split,
+                      std::int64_t vocab_size);
+
+// The windows `which` as an int64 tensor [which.size(), seq_len].
+at::Tensor batch_of(const Windows& windows, const std::vector<std::int64_t>& which);
+
+// Creates `dir` if needed and proves it writable (a probe file is created and removed);
+// InputError otherwise. Creates nothing when the path is not usable.
+void check_writable_dir(const std::filesystem::path& dir, const char* what);
+// Same for the directory that is to hold `file`.
+void check_writable_file(const std::filesystem::path& file, const char* what);
+
+// Peak resident set size of this process (VmHWM), MiB.
+double peak_rss_mib();
+
+// Threads for intra-op parallelism: OMP_NUM_THREADS when set (mdistrun sets 1 per rank for
+// several ranks, as torchrun does), else libtorch's default.
+void configure_threads();
+
+// Prints on rank 0 (stdout, flushed).
+void say(const std::string& line);
+
+}  // namespace mdist::cli
