@@ -149,9 +149,10 @@ namespace {
 
 // The nearest existing ancestor of `path` (itself included); it must be a directory we can
 // create files in. Probing by creating a file, not access(2): root passes every access check.
-void probe_writable(const std::filesystem::path& path, const char* what) {
+void probe_writable(const std::filesystem::path& dir, const std::filesystem::path& path,
+                    const char* what) {
   std::error_code ec;
-  std::filesystem::path existing = std::filesystem::absolute(path, ec);
+  std::filesystem::path existing = std::filesystem::absolute(dir, ec);
   while (!std::filesystem::exists(existing, ec)) {
     if (!existing.has_parent_path() || existing.parent_path() == existing) break;
     existing = existing.parent_path();
@@ -177,7 +178,7 @@ void check_writable_dir(const std::filesystem::path& dir, const char* what) {
   if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec)) {
     throw InputError(std::string(what) + " '" + dir.string() + "' exists and is not a directory");
   }
-  probe_writable(dir, what);
+  probe_writable(dir, dir, what);
 }
 
 void check_writable_file(const std::filesystem::path& file, const char* what) {
@@ -185,7 +186,8 @@ void check_writable_file(const std::filesystem::path& file, const char* what) {
   if (std::filesystem::is_directory(file, ec)) {
     throw InputError(std::string(what) + " '" + file.string() + "' is a directory");
   }
-  probe_writable(file.has_parent_path() ? file.parent_path() : std::filesystem::path("."), what);
+  probe_writable(file.has_parent_path() ? file.parent_path() : std::filesystem::path("."), file,
+                 what);
 }
 
 double peak_rss_mib() {

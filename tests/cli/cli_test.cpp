@@ -56,6 +56,11 @@ class MdistCommand : public ::testing::Test {
     return mdist::testing::run(argv, options);
   }
 
+  // mdist train, the quick flags, then `more`.
+  static std::vector<std::string> train_args(const std::vector<std::string>& more) {
+    return with(with({"train"}, kQuickTrain), more);
+  }
+
   static std::vector<std::string> with(std::vector<std::string> args,
                                        const std::vector<std::string>& more) {
     args.insert(args.end(), more.begin(), more.end());
@@ -88,8 +93,8 @@ TEST_F(MdistCommand, TrainGivesTheSameLossesOnOneTwoAndFourRanks) {
   std::vector<std::vector<nlohmann::json>> runs;
   for (const int ranks : {1, 2, 4}) {
     const auto out = dir_ / ("np" + std::to_string(ranks));
-    const auto r = mdist(ranks, with(kQuickTrain, {"train", "--steps", "10", "--save-every", "0",
-                                                   "--out", out.string()}));
+    const auto r =
+        mdist(ranks, train_args({"--steps", "10", "--save-every", "0", "--out", out.string()}));
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     runs.push_back(metrics(out));
     ASSERT_EQ(runs.back().size(), 10u);
@@ -113,8 +118,7 @@ TEST_F(MdistCommand, TrainGivesTheSameLossesOnOneTwoAndFourRanks) {
 
 TEST_F(MdistCommand, ResumeReproducesTheUninterruptedRun) {
   const auto whole = dir_ / "whole";
-  const auto args =
-      with(kQuickTrain, {"train", "--steps", "8", "--save-every", "4", "--keep", "5"});
+  const auto args = train_args({"--steps", "8", "--save-every", "4", "--keep", "5"});
   auto r = mdist(2, with(args, {"--out", whole.string()}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   // The same run, stopped after its step-4 checkpoint: drop what came after it.
@@ -155,7 +159,7 @@ TEST_F(MdistCommand, ResumeReproducesTheUninterruptedRun) {
 
 TEST_F(MdistCommand, EvalAndCalibrateDoNotDependOnTheRankCount) {
   const auto run = dir_ / "run";
-  auto r = mdist(2, with(kQuickTrain, {"train", "--steps", "6", "--out", run.string()}));
+  auto r = mdist(2, train_args({"--steps", "6", "--out", run.string()}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   const auto model = run / "checkpoints" / "step-00000006";
   std::vector<double> perplexities;
@@ -191,7 +195,7 @@ TEST_F(MdistCommand, EvalAndCalibrateDoNotDependOnTheRankCount) {
 
 TEST_F(MdistCommand, GenerateSamplesBytesAndIsTheSameOnEveryRankCount) {
   const auto run = dir_ / "run";
-  auto r = mdist(1, with(kQuickTrain, {"train", "--steps", "4", "--out", run.string()}));
+  auto r = mdist(1, train_args({"--steps", "4", "--out", run.string()}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   const auto model = (run / "checkpoints" / "step-00000004").string();
   const std::vector<std::string> args = {
@@ -271,8 +275,9 @@ TEST_P(MdistBadInput, IsOneClearLineAndNoOutput) {
   const auto r = mdist(bad.ranks, args);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   std::string message = bad.message;
-  if (const auto at = message.find("DIR"); at != std::string::npos)
+  for (auto at = message.find("DIR"); at != std::string::npos; at = message.find("DIR")) {
     message.replace(at, 3, dir_.string());
+  }
   EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist " + args[0] + ": error: " + message)) << r.err;
   // One line from the job (the launcher adds its own summary of which rank failed).
   std::istringstream lines(r.err);
@@ -326,7 +331,7 @@ INSTANTIATE_TEST_SUITE_P(
                  {"calibrate", "--out", "DIR/a_file/calibration.json"},
                  "output file 'DIR/a_file/calibration.json' is not writable: 'DIR/a_file' is not a "
                  "directory"}),
-    [](const auto& info) { return info.param.name; });
+    [](const auto& test) { return test.param.name; });
 
 // Killing a rank mid-training ends the whole job with a non-zero code, and the last complete
 // checkpoint still loads.
@@ -388,9 +393,9 @@ TEST_F(MdistCommand, KilledRankEndsTheJobAndLeavesTheLastCheckpointLoadable) {
   EXPECT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_THAT(r.out, HasSubstr("perplexity"));
   // And the run resumes from it.
-  const auto resumed = mdist(
-      2, with(kQuickTrain, {"train", "--steps", std::to_string(std::stoi(latest.substr(5)) + 2),
-                            "--save-every", "2", "--out", run.string(), "--resume"}));
+  const auto resumed =
+      mdist(2, train_args({"--steps", std::to_string(std::stoi(latest.substr(5)) + 2),
+                           "--save-every", "2", "--out", run.string(), "--resume"}));
   EXPECT_EQ(resumed.exit_code, 0) << describe(resumed);
 }
 
