@@ -7,6 +7,7 @@
 #include "mdist/groups/distributed_process_group.h"  // IWYU pragma: export
 #include "mdist/groups/parallel_state.h"             // IWYU pragma: export
 #include "mdist/nn/hooks.h"                          // IWYU pragma: export
+#include "mdist/nn/meta.h"                           // IWYU pragma: export
 #include "mdist/objects/codec.h"                     // IWYU pragma: export
 #include "mdist/objects/collectives.h"               // IWYU pragma: export
 #include "mdist/runtime/environment.h"               // IWYU pragma: export

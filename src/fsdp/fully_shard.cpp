@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "mdist/error.h"
+#include "mdist/nn/meta.h"
 #include "mdist/runtime/runtime.h"
 #include "src/fsdp/fsdp_unit.h"
 
@@ -320,7 +321,8 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
   const c10::Device param_device = first.device();
   if (options.device) {
     unit->compute_device = *options.device;
-  } else if (options.offload_policy) {
+  } else if (options.offload_policy || param_device.is_meta()) {
+    // Parameters built on the meta device say nothing about where to compute.
     unit->compute_device = at::hasCUDA() ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
   } else {
     unit->compute_device = param_device;
@@ -347,11 +349,14 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
     std::vector<int64_t> shard_shape = p.full_shape;
     if (shard_shape.empty()) shard_shape.push_back(1);
     shard_shape[0] = p.chunk_rows;
+    // Only shard-sized memory is ever allocated here: a parameter on the meta device has no
+    // values to copy (a checkpoint fills the shard later), and the full parameter below gets
+    // no storage until the first unshard.
     at::Tensor shard =
         at::zeros(shard_shape, registered.options().device(unit->shard_device).pinned_memory(pin));
     const int64_t first_row = unit->rank * p.chunk_rows;
     const int64_t own_rows = std::max<int64_t>(0, std::min(p.chunk_rows, p.rows - first_row));
-    if (own_rows > 0) {
+    if (own_rows > 0 && !registered.is_meta()) {
       shard.view({p.chunk_rows, p.row_numel})
           .narrow(0, 0, own_rows)
           .copy_(registered.reshape({p.rows, p.row_numel})
@@ -363,9 +368,13 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
     // The module's own tensor becomes the full parameter in the compute dtype, empty until
     // the next unshard; the parameter table gets the shard.
     p.unsharded = registered;
-    p.unsharded.set_data(
-        at::empty(p.full_shape,
-                  registered.options().dtype(unit->compute_dtype).device(unit->compute_device)));
+    const at::Tensor full = nn::storageless(
+        p.full_shape, registered.options().dtype(unit->compute_dtype).device(unit->compute_device));
+    if (registered.is_meta()) {
+      nn::assign_in_place(p.unsharded, full);  // set_data cannot leave the meta device
+    } else {
+      p.unsharded.set_data(full);
+    }
     detail::free_storage(p.unsharded);
     registered = shard;
     p.shard = shard;

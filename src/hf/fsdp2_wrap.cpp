@@ -9,6 +9,7 @@
 #include <typeinfo>
 
 #include "mdist/error.h"
+#include "mdist/nn/meta.h"
 #include "mdist/runtime/runtime.h"
 
 namespace mdist {
@@ -116,9 +117,13 @@ std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
   options.reshard_after_forward = true;
   if (mp_policy) options.mp_policy = *mp_policy;
   if (cpu_offload) options.offload_policy = CPUOffloadPolicy{};
+  // A model built on the meta device (see mdist/nn/meta.h) computes where fully_shard would
+  // by default: on the GPU when there is one.
+  const bool meta = nn::has_meta_tensors(model);
   const c10::Device device =
-      cpu_offload ? (at::hasCUDA() ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU))
-                  : (named.is_empty() ? c10::Device(c10::kCPU) : named[0].value().device());
+      cpu_offload || meta ? (at::hasCUDA() ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU))
+                          : (named.is_empty() ? c10::Device(c10::kCPU) : named[0].value().device());
+  if (meta) options.device = device;
   std::vector<std::string> odd_names;
   int64_t odd_elements = 0;
   {
@@ -126,8 +131,13 @@ std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
     for (const auto& item : named) {
       at::Tensor param = item.value();
       if (param.scalar_type() == dominant) continue;
-      // Replicated and whole: it must live where forward runs.
-      if (param.device() != device) param.set_data(param.data().to(device));
+      // Replicated and whole: it must live where forward runs (from meta: uninitialised, for
+      // a checkpoint to fill).
+      if (param.is_meta()) {
+        nn::assign_in_place(param, at::empty(param.sizes(), param.options().device(device)));
+      } else if (param.device() != device) {
+        param.set_data(param.data().to(device));
+      }
       options.ignored_params.push_back(param);
       odd_names.push_back(item.key() + " (" + dtype_name(param.scalar_type()) + ")");
       odd_elements += param.numel();
@@ -163,10 +173,12 @@ std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
       fully_shard(model, options);
     } catch (const Error&) {
       // Every root parameter belongs to a layer or is kept whole: nothing left to shard.
-      if (is_fsdp2_model(model)) return layers;
-      throw;
+      if (!is_fsdp2_model(model)) throw;
     }
   }
+  // What no unit manages (the root's parameters without shard_root) stays whole: from meta it
+  // gets real, uninitialised memory on the compute device, as the replicated ones above.
+  if (meta) nn::to_empty(model, device);
   return layers;
 }
 

@@ -43,8 +43,8 @@ struct FullyShardOptions {
   bool reshard_after_forward = true;
   MixedPrecisionPolicy mp_policy;
   std::optional<CPUOffloadPolicy> offload_policy;
-  // Where forward and backward run. Default: the parameters' device, or with CPU offload the
-  // current CUDA device when CUDA is available, else the CPU.
+  // Where forward and backward run. Default: the parameters' device, or with CPU offload or
+  // parameters on the meta device the current CUDA device when CUDA is available, else the CPU.
   std::optional<c10::Device> device;
   // Parameters (by identity) that stay whole and replicated on every rank.
   std::vector<at::Tensor> ignored_params;
@@ -86,6 +86,10 @@ class FsdpHandle {
 // Shards every parameter under `module` that no nested unit manages and that is not
 // ignored, along dim 0 over the group. Afterwards module.parameters() yields the shards
 // (what an optimizer steps). Wrap inner modules first, then their parents.
+// Parameters on the meta device (a model built without storage, see mdist/nn/meta.h) are
+// accepted: each rank allocates only its shard (zeros, to be filled e.g. by
+// load_state_dict_by_rows) and the full parameters get memory only when gathered. Ignored
+// meta parameters stay on meta (mdist::nn::to_empty materialises them).
 // Throws Error for a module without parameters to manage, a module wrapped twice, a 0-row
 // parameter, and mixed dtypes inside one unit (naming the parameters).
 FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});

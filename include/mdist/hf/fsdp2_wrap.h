@@ -23,6 +23,11 @@ std::vector<std::shared_ptr<torch::nn::Module>> get_decoder_layers(torch::nn::Mo
 // replicated). Parameters whose dtype differs from the model's dominant dtype (by element
 // count) stay whole and replicated, are moved to the compute device, and rank 0 warns once,
 // naming up to three of them and their share of the elements. Returns the detected layers.
+// A model whose parameters are on the meta device (built without storage) is accepted: shards
+// get real shard-sized memory (zeros) and every parameter kept whole is materialised,
+// uninitialised, on the compute device (the current GPU if there is one, else the CPU); no
+// rank allocates the full model. Fill it with hf::load_checkpoint_sharded (or use
+// hf::load_pretrained_fsdp2, which does all of it).
 // Throws Error "Could not auto-detect decoder layers; ..." when there are none.
 std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
     torch::nn::Module& model, bool shard_root = true,
