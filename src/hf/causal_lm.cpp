@@ -8,12 +8,32 @@
 
 #include "mdist/error.h"
 #include "mdist/nn/hooks.h"
+#include "mdist/nn/meta.h"
 
 namespace mdist::hf {
 namespace {
 
-torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+torch::nn::Linear linear(int64_t in, int64_t out, bool bias, c10::Device device) {
+  if (!device.is_meta()) return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+  // LinearImpl allocates and initialises its weight in its constructor, with no device
+  // option: build it 1 x 1, then give it meta parameters of the real shape and the real
+  // options, so not even one full projection is allocated.
+  torch::nn::Linear module(torch::nn::LinearOptions(1, 1).bias(bias));
+  module->options.in_features(in).out_features(out);
+  const auto meta = at::TensorOptions().dtype(module->weight.scalar_type()).device(c10::kMeta);
+  mdist::nn::assign_in_place(module->weight, at::empty({out, in}, meta));
+  if (bias) mdist::nn::assign_in_place(module->bias, at::empty({out}, meta));
+  return module;
+}
+
+torch::nn::Embedding embedding(torch::nn::EmbeddingOptions options, c10::Device device) {
+  if (!device.is_meta()) return torch::nn::Embedding(options);
+  // A given _weight is taken as the parameter, with no allocation and no initialisation.
+  const at::Tensor weight = at::empty({options.num_embeddings(), options.embedding_dim()},
+                                      at::TensorOptions().dtype(at::kFloat).device(c10::kMeta));
+  torch::nn::Embedding module(options._weight(weight));
+  module->options._weight(at::Tensor());  // the options need not keep the tensor alive
+  return module;
 }
 
 at::Tensor rotate_half(const at::Tensor& x) {
@@ -48,8 +68,8 @@ std::string shape_of(const at::Tensor& t) {
 
 }  // namespace
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
-  weight = register_parameter("weight", torch::ones({dim}));
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, c10::Device device) : eps(eps_) {
+  weight = register_parameter("weight", torch::ones({dim}, torch::TensorOptions().device(device)));
 }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
@@ -78,15 +98,17 @@ at::Tensor rope_inv_freq(const LlamaConfig& config) {
   return at::where(medium, smoothed, scaled);
 }
 
-AttentionImpl::AttentionImpl(const LlamaConfig& c)
+AttentionImpl::AttentionImpl(const LlamaConfig& c, c10::Device device)
     : heads(c.num_attention_heads), kv_heads(c.num_key_value_heads), head_dim(c.head_dim) {
-  q_proj = register_module("q_proj", linear(c.hidden_size, heads * head_dim, c.qkv_bias));
-  k_proj = register_module("k_proj", linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias));
-  v_proj = register_module("v_proj", linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias));
-  o_proj = register_module("o_proj", linear(heads * head_dim, c.hidden_size, c.o_bias));
+  q_proj = register_module("q_proj", linear(c.hidden_size, heads * head_dim, c.qkv_bias, device));
+  k_proj =
+      register_module("k_proj", linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias, device));
+  v_proj =
+      register_module("v_proj", linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias, device));
+  o_proj = register_module("o_proj", linear(heads * head_dim, c.hidden_size, c.o_bias, device));
   if (c.qk_norm) {
-    q_norm = register_module("q_norm", RMSNorm(head_dim, c.rms_norm_eps));
-    k_norm = register_module("k_norm", RMSNorm(head_dim, c.rms_norm_eps));
+    q_norm = register_module("q_norm", RMSNorm(head_dim, c.rms_norm_eps, device));
+    k_norm = register_module("k_norm", RMSNorm(head_dim, c.rms_norm_eps, device));
   }
 }
 
@@ -114,10 +136,13 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
   return mdist::nn::call(o_proj, out.transpose(1, 2).reshape({batch, time, heads * head_dim}));
 }
 
-MLPImpl::MLPImpl(const LlamaConfig& c) {
-  gate_proj = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-  up_proj = register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-  down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+MLPImpl::MLPImpl(const LlamaConfig& c, c10::Device device) {
+  gate_proj =
+      register_module("gate_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias, device));
+  up_proj =
+      register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias, device));
+  down_proj =
+      register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias, device));
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
@@ -125,12 +150,13 @@ at::Tensor MLPImpl::forward(const at::Tensor& x) {
                          torch::silu(mdist::nn::call(gate_proj, x)) * mdist::nn::call(up_proj, x));
 }
 
-DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c) {
-  self_attn = register_module("self_attn", Attention(c));
-  mlp = register_module("mlp", MLP(c));
-  input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c, c10::Device device) {
+  self_attn = register_module("self_attn", Attention(c, device));
+  mlp = register_module("mlp", MLP(c, device));
+  input_layernorm =
+      register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, device));
   post_attention_layernorm =
-      register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+      register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, device));
 }
 
 at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos,
@@ -140,17 +166,17 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos,
   return h + mdist::nn::call(mlp, mdist::nn::call(post_attention_layernorm, h));
 }
 
-DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c)
+DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c, c10::Device device)
     : inv_freq(rope_inv_freq(c)), sliding_window(c.sliding_window) {
-  auto embedding = torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size);
-  if (c.pad_token_id) embedding.padding_idx(*c.pad_token_id);  // as HF: no gradient for it
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(embedding));
+  auto options = torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size);
+  if (c.pad_token_id) options.padding_idx(*c.pad_token_id);  // as HF: no gradient for it
+  embed_tokens = register_module("embed_tokens", embedding(options, device));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    decoder_layers.emplace_back(c);
+    decoder_layers.emplace_back(c, device);
     layers->push_back(decoder_layers.back());
   }
-  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, device));
 }
 
 at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
@@ -202,10 +228,15 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
   return mdist::nn::call(norm, h);
 }
 
-CausalLMImpl::CausalLMImpl(LlamaConfig config_) : config(std::move(config_)) {
-  model = register_module("model", DecoderModel(config));
+CausalLMImpl::CausalLMImpl(LlamaConfig config_, c10::Device device) : config(std::move(config_)) {
+  if (!device.is_cpu() && !device.is_meta()) {
+    throw Error("mdist::hf::CausalLM: build it on the CPU or the meta device, not on " +
+                device.str() + " (build on the CPU, then ->to(device))");
+  }
+  model = register_module("model", DecoderModel(config, device));
   if (!config.tie_word_embeddings) {
-    lm_head = register_module("lm_head", linear(config.hidden_size, config.vocab_size, false));
+    lm_head =
+        register_module("lm_head", linear(config.hidden_size, config.vocab_size, false, device));
   }
 }
 
@@ -266,6 +297,14 @@ void load_state_dict(torch::nn::Module& model, const std::map<std::string, at::T
     throw Error(message);
   }
   const at::NoGradGuard no_grad;
+  for (auto& item : params) {
+    // A copy into a meta tensor does nothing, silently.
+    if (item.value().is_meta()) {
+      throw Error("mdist::hf::load_state_dict: '" + item.key() +
+                  "' is on the meta device and has no storage to load into (fsdp2_wrap the "
+                  "model and use load_checkpoint_sharded, or mdist::nn::to_empty it first)");
+    }
+  }
   for (auto& item : params) item.value().copy_(tensors.at(item.key()));
 }
 

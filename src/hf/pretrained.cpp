@@ -1,13 +1,16 @@
 // save_pretrained / load_pretrained: config.json and safetensors in a checkpoint directory.
 #include "mdist/hf/pretrained.h"
 
+#include <exception>
 #include <map>
 #include <string>
 
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/fsdp/state_dict.h"
+#include "mdist/hf/fsdp2_wrap.h"
 #include "mdist/hf/safetensors.h"
+#include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 
 namespace mdist::hf {
@@ -41,14 +44,50 @@ CausalLM load_pretrained(const std::filesystem::path& dir) {
 }
 
 void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::path& dir) {
+  // A copy into a meta tensor does nothing, silently: the model would keep no values at all.
+  for (const auto& item : model.named_parameters()) {
+    if (item.value().is_meta()) {
+      throw Error("mdist: load_checkpoint_sharded: '" + item.key() +
+                  "' is on the meta device and has no storage to load into; wrap the model "
+                  "with fsdp2_wrap first (it gives shards and whole parameters real memory), or "
+                  "materialise it with mdist::nn::to_empty");
+    }
+  }
   const SafetensorsCheckpoint checkpoint(dir);
   load_state_dict_by_rows(model, [&](const std::string& name, int64_t first_row, int64_t rows) {
     if (!checkpoint.contains(name)) {
       throw Error("mdist: load_checkpoint_sharded: '" + dir.string() + "' has no tensor '" + name +
                   "'");
     }
-    return rows < 0 ? checkpoint.tensor(name) : checkpoint.read_rows(name, first_row, rows);
+    if (rows < 0) return checkpoint.tensor(name);
+    at::Tensor own = checkpoint.read_rows(name, first_row, rows);
+    // The rows are copied out: their mapped pages need not stay resident, so a rank's memory
+    // stays its shards plus one tensor's rows rather than growing by every row it read.
+    checkpoint.release_pages(name);
+    return own;
   });
+}
+
+CausalLM load_pretrained_fsdp2(const std::filesystem::path& dir, const Fsdp2LoadOptions& options) {
+  CausalLM model{nullptr};
+  std::exception_ptr failure;
+  try {
+    CausalLM built(LlamaConfig::from_file((dir / "config.json").string()), c10::kMeta);
+    fsdp2_wrap(*built, options.shard_root, options.mp_policy, options.cpu_offload);
+    load_checkpoint_sharded(*built, dir);
+    model = std::move(built);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  // Nothing above communicates, so a rank that failed alone would leave the others to hang
+  // in their first all-gather: agree on the outcome first.
+  const int failed_ranks = allreduce(failure ? 1 : 0, "sum");
+  if (failure) std::rethrow_exception(failure);
+  if (failed_ranks > 0) {
+    throw Error("mdist: load_pretrained_fsdp2: '" + dir.string() +
+                "': " + std::to_string(failed_ranks) + " other rank(s) failed to load it");
+  }
+  return model;
 }
 
 }  // namespace mdist::hf

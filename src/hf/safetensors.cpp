@@ -337,6 +337,23 @@ at::Tensor SafetensorsFile::read_rows(const std::string& name, std::int64_t firs
   return out;
 }
 
+void SafetensorsFile::release_pages(const std::string& name) const {
+  const TensorInfo& meta = info(name);
+  if (meta.end == meta.begin) return;
+  static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto base = reinterpret_cast<std::uintptr_t>(mapping_->data);
+  const auto first = reinterpret_cast<std::uintptr_t>(data_of(meta));
+  // Whole pages, even those shared with a neighbouring tensor: dropping a page only means
+  // reading it again from the page cache.
+  const std::uintptr_t begin = first / page * page;
+  const std::uintptr_t end =
+      std::min(base + mapping_->size, (first + (meta.end - meta.begin) + page - 1) / page * page);
+  if (end > begin) {
+    // Advice only: a failure leaves the pages resident, which is harmless.
+    ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Checkpoints
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -178,6 +179,38 @@ TEST_F(SafetensorsTest, AlignedTensorsAliasTheMappingAndOutliveTheFile) {
   }
   // The mapping stays alive while the tensor does.
   EXPECT_TRUE(at::equal(t, w));
+}
+
+// Resident KiB of the mapping that contains `address` (its "Rss:" line in /proc/self/smaps).
+std::int64_t resident_kib_of_mapping(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto target = reinterpret_cast<std::uintptr_t>(address);
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    std::uintptr_t begin = 0, end = 0;
+    char dash = 0;
+    std::istringstream range(line);
+    if (range >> std::hex >> begin >> dash >> end && dash == '-') {
+      inside = begin <= target && target < end;
+    } else if (inside && line.rfind("Rss:", 0) == 0) {
+      return std::stoll(line.substr(4));
+    }
+  }
+  return -1;
+}
+
+TEST_F(SafetensorsTest, ReleasePagesDropsResidentPagesAndKeepsTheData) {
+  const fs::path path = dir_ / "release.safetensors";
+  const at::Tensor w = at::arange(1 << 20, at::kFloat).reshape({1024, 1024});  // 4 MiB
+  mdist::hf::save_safetensors(path, {{"w", w}});
+  const SafetensorsFile file(path);
+  const at::Tensor t = file.tensor("w");
+  EXPECT_TRUE(at::equal(t, w));  // touches every page
+  EXPECT_GE(resident_kib_of_mapping(file.mapping_data()), 4096);
+  file.release_pages("w");
+  EXPECT_LT(resident_kib_of_mapping(file.mapping_data()), 64);
+  EXPECT_TRUE(at::equal(t, w));  // read again from the file
 }
 
 TEST_F(SafetensorsTest, UnalignedTensorsAreCopied) {

@@ -22,6 +22,13 @@
 // rotate-half RoPE from rope_theta (with Llama 3 scaling), GQA by repeating k/v heads, causal
 // scaled-dot-product attention with an optional padding mask and (Mistral) sliding window.
 // Parameters are created in fp32 on the CPU; use ->to() for another dtype or device.
+//
+// Built with device = kMeta, every parameter is a meta tensor (shape and dtype, no storage):
+// each Linear, Embedding and RMSNorm gets its parameters on meta as it is built, so nothing of
+// the model's size is ever allocated, and the module types stay the same (code that looks for
+// every torch::nn::Linear still finds them). The rotary inv_freq is real either way. Such a
+// model cannot run; fsdp2_wrap it and load a checkpoint into it (hf::load_pretrained_fsdp2),
+// or give it memory with mdist::nn::to_empty (mdist/nn/meta.h).
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -37,7 +44,7 @@ namespace mdist::hf {
 
 // HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, cast to x's dtype, times weight.
 struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double eps);
+  RMSNormImpl(int64_t dim, double eps, c10::Device device = c10::kCPU);
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;
   double eps;
@@ -48,7 +55,7 @@ TORCH_MODULE(RMSNorm);
 at::Tensor rope_inv_freq(const LlamaConfig& config);
 
 struct AttentionImpl : torch::nn::Module {
-  explicit AttentionImpl(const LlamaConfig& config);
+  explicit AttentionImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
   // x [B, T, hidden]; cos, sin [B, T, head_dim]; mask: undefined (causal) or bool
   // [B, 1, T, T], true where a query may attend to a key.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -60,14 +67,14 @@ struct AttentionImpl : torch::nn::Module {
 TORCH_MODULE(Attention);
 
 struct MLPImpl : torch::nn::Module {  // SwiGLU
-  explicit MLPImpl(const LlamaConfig& config);
+  explicit MLPImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(MLP);
 
 struct DecoderLayerImpl : torch::nn::Module {
-  explicit DecoderLayerImpl(const LlamaConfig& config);
+  explicit DecoderLayerImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
   // Called by DecoderModel through mdist::nn::call, which runs this layer's hooks.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& mask);
@@ -79,7 +86,7 @@ TORCH_MODULE(DecoderLayer);
 
 // HF's LlamaModel (the checkpoint's "model."): embeddings, decoder layers, final norm.
 struct DecoderModelImpl : torch::nn::Module {
-  explicit DecoderModelImpl(const LlamaConfig& config);
+  explicit DecoderModelImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
   // input_ids [B, T] (int64); attention_mask: undefined or [B, T] of 0/1 (1: a real token);
   // position_ids: undefined (0..T-1 for every row, as HF's forward) or [B, T] / [T].
   // Returns the final hidden states [B, T, hidden].
@@ -95,7 +102,9 @@ struct DecoderModelImpl : torch::nn::Module {
 TORCH_MODULE(DecoderModel);
 
 struct CausalLMImpl : torch::nn::Module {
-  explicit CausalLMImpl(LlamaConfig config);
+  // device: kCPU (parameters initialised as torch::nn's modules do) or kMeta (no storage);
+  // anything else is an Error (build on the CPU, then ->to()).
+  explicit CausalLMImpl(LlamaConfig config, c10::Device device = c10::kCPU);
   // Logits [B, T, vocab] (see DecoderModelImpl::forward for the arguments).
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
                      const at::Tensor& position_ids = {});

@@ -4,7 +4,9 @@
 // transformers' save_pretrained writes and from_pretrained reads.
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 
+#include "mdist/fsdp/fully_shard.h"
 #include "mdist/hf/causal_lm.h"
 
 namespace mdist::hf {
@@ -19,7 +21,27 @@ CausalLM load_pretrained(const std::filesystem::path& dir);
 
 // Loads dir's weights into `model` that is already wrapped (fsdp2_wrap / fully_shard): each
 // rank reads only the rows it owns straight from the memory-mapped safetensors files, so no
-// rank holds a full copy of the sharded weights. Also works on an unwrapped model.
+// rank holds a full copy of the sharded weights; the mapped pages of each tensor are released
+// once its rows are copied, so the file does not add up in the rank's memory either. Also
+// works on an unwrapped model; throws Error if a parameter is still on the meta device.
 void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::path& dir);
+
+// fsdp2_wrap's arguments, for load_pretrained_fsdp2.
+struct Fsdp2LoadOptions {
+  bool shard_root = true;
+  std::optional<MixedPrecisionPolicy> mp_policy;
+  bool cpu_offload = false;
+};
+
+// Builds the model from dir/config.json on the meta device, fsdp2_wrap's it, then each rank
+// reads only its rows from the mmap'd safetensors.
+// The result equals load_pretrained(dir) followed by fsdp2_wrap with the same options, but no
+// rank ever allocates the whole model: each holds its shards (plus, without shard_root, the
+// root's whole parameters) and touches only the checkpoint pages of its own rows.
+// Collective: every rank of the world calls it; if any rank fails (a missing file, a shape
+// mismatch), every rank throws (the failing ones their own error), so none is left waiting
+// in a collective of its first forward.
+CausalLM load_pretrained_fsdp2(const std::filesystem::path& dir,
+                               const Fsdp2LoadOptions& options = {});
 
 }  // namespace mdist::hf

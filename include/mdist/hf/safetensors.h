@@ -70,6 +70,11 @@ class SafetensorsFile {
   // tensor; only those bytes are read. Needs a tensor with at least one dimension.
   at::Tensor read_rows(const std::string& name, std::int64_t first_row, std::int64_t rows) const;
 
+  // Drops this process's resident pages of `name`'s data (madvise MADV_DONTNEED on the pages
+  // its bytes touch): they stop counting in this process's RSS but stay in the page cache, and
+  // are read again from the file when touched (zero-copy tensors stay valid). For a loader
+  // that reads each tensor once, so that the mapped file never adds up in memory.
+  void release_pages(const std::string& name) const;
   // Where the mapping of this file starts and how long it is (for tests and diagnostics).
   const void* mapping_data() const;
   std::size_t mapping_size() const;
@@ -101,6 +106,7 @@ class SafetensorsCheckpoint {
   // As SafetensorsFile::tensor (zero-copy tensors alias a read-only mapping).
   at::Tensor tensor(const std::string& name) const;
   at::Tensor read_rows(const std::string& name, std::int64_t first_row, std::int64_t rows) const;
+  void release_pages(const std::string& name) const { file_of(name).release_pages(name); }
   // The file holding `name`.
   const SafetensorsFile& file_of(const std::string& name) const;
   std::size_t num_files() const { return files_.size(); }
