@@ -59,6 +59,7 @@ int run_calibrate(const CalibrateOptions& o) {
   hf::CausalLM model = build_wrapped_model(choice, o.io.seed);
   model->eval();
   const torch::NoGradGuard no_grad;
+  const c10::Device device = compute_device();
 
   AbsMax stats;
   bool recording = true;
@@ -93,7 +94,8 @@ int run_calibrate(const CalibrateOptions& o) {
   for (int64_t round = 0; round < plan.rounds; ++round) {
     const bool real = round < static_cast<int64_t>(plan.windows.size());
     recording = real;
-    model->forward(batch_of(windows, {real ? plan.windows[static_cast<std::size_t>(round)] : 0}));
+    model->forward(
+        batch_of(windows, {real ? plan.windows[static_cast<std::size_t>(round)] : 0}).to(device));
   }
   recording = false;
   for (auto& hook : hooks) hook.remove();

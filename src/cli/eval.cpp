@@ -54,7 +54,7 @@ int run_eval(const EvalOptions& o) {
             ? std::vector<int64_t>(plan.windows.begin() + static_cast<std::ptrdiff_t>(first),
                                    plan.windows.begin() + static_cast<std::ptrdiff_t>(first) + real)
             : std::vector<int64_t>{0};
-    const at::Tensor ids = batch_of(windows, which);
+    const at::Tensor ids = batch_of(windows, which).to(compute_device());
     const at::Tensor logits = model->forward(ids);
     if (real == 0) continue;
     // Per-token losses summed in double: the total must not depend on how the sequences were

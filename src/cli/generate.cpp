@@ -33,6 +33,7 @@ int run_generate(const GenerateOptions& o) {
   model->eval();
   const torch::NoGradGuard no_grad;
   auto generator = at::make_generator<at::CPUGeneratorImpl>(o.seed);
+  const c10::Device device = compute_device();
   say("mdist generate: model " + choice.description);
 
   std::vector<int64_t> tokens;
@@ -47,8 +48,11 @@ int run_generate(const GenerateOptions& o) {
     const auto context =
         torch::tensor(
             std::vector<int64_t>(tokens.begin() + static_cast<std::ptrdiff_t>(start), tokens.end()))
-            .unsqueeze(0);
-    at::Tensor logits = model->forward(context).select(1, -1).squeeze(0).to(torch::kFloat);
+            .unsqueeze(0)
+            .to(device);
+    // Sampling on the CPU with a seeded CPU generator: the same bytes on any device.
+    at::Tensor logits =
+        model->forward(context).select(1, -1).squeeze(0).to(torch::kCPU, torch::kFloat);
     int64_t next = 0;
     if (o.greedy) {
       next = logits.argmax().item<int64_t>();

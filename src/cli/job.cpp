@@ -109,13 +109,21 @@ void init_weights(hf::CausalLM& model, std::uint64_t seed, double std) {
 
 }  // namespace
 
+c10::Device compute_device() {
+  if (!torch::cuda::is_available()) return c10::Device(c10::kCPU);
+  const auto devices = static_cast<int>(torch::cuda::device_count());
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank() % devices));
+}
+
 hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed) {
-  hf::CausalLM model = choice.dir ? hf::load_pretrained(*choice.dir) : hf::CausalLM(choice.config);
-  if (!choice.dir) {
-    const auto config = nlohmann::json::parse(choice.config.source_json, nullptr, false);
-    const double std = config.is_object() ? config.value("initializer_range", 0.02) : 0.02;
-    init_weights(model, seed, std);
-  }
+  // A checkpoint is loaded without ever holding the whole model: built on the meta device,
+  // wrapped, then each rank reads only its rows from the memory-mapped safetensors.
+  if (choice.dir) return hf::load_pretrained_fsdp2(*choice.dir);
+  hf::CausalLM model(choice.config);
+  const auto config = nlohmann::json::parse(choice.config.source_json, nullptr, false);
+  const double std = config.is_object() ? config.value("initializer_range", 0.02) : 0.02;
+  init_weights(model, seed, std);  // on the CPU: the same numbers whatever the device
+  if (const auto device = compute_device(); !device.is_cpu()) model->to(device);
   fsdp2_wrap(*model);
   return model;
 }

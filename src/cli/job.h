@@ -57,9 +57,15 @@ ModelChoice default_model();
 ModelChoice model_for_inference(const std::optional<std::filesystem::path>& dir,
                                 const std::filesystem::path& default_run);
 
-// Builds the model and shards it with fsdp2_wrap: weights from choice.dir, or HF-style seeded
-// initialisation (normal(0, initializer_range) for Linear and Embedding weights, ones for
-// norms, zeros for biases), identical on every rank for a given seed whatever the world size.
+// Where the model computes: this rank's CUDA device (local rank modulo the device count) when
+// CUDA is available, else the CPU.
+c10::Device compute_device();
+
+// Builds the model and shards it with fsdp2_wrap on compute_device(): weights from choice.dir
+// (hf::load_pretrained_fsdp2: no rank ever holds the whole model), or HF-style seeded
+// initialisation (normal(0, initializer_range) for Linear and Embedding weights,
+// ones for norms, zeros for biases), identical on every rank for a given seed whatever the world
+// size.
 hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed);
 
 // The token stream of a command (embedded corpus or a file), checked against the vocabulary.

@@ -191,7 +191,7 @@ int run_train(const TrainOptions& o) {
     for (int64_t b = 0; b < local_batch; ++b) {
       which.push_back(order.window_of(state.sequences_seen + rank() * local_batch + b));
     }
-    const at::Tensor ids = batch_of(windows, which);
+    const at::Tensor ids = batch_of(windows, which).to(compute_device());
     const double lr = schedule.at(step);
     set_lr(*optimizer, lr);
     optimizer->zero_grad();

@@ -251,6 +251,9 @@ struct BadInput {
   std::string message;
 };
 
+// Test names show the case's name, not the struct's bytes.
+void PrintTo(const BadInput& bad, std::ostream* os) { *os << bad.name; }
+
 class MdistBadInput : public MdistCommand, public ::testing::WithParamInterface<BadInput> {};
 
 TEST_P(MdistBadInput, IsOneClearLineAndNoOutput) {
