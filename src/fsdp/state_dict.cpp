@@ -182,6 +182,7 @@ void load_full_state_dict(torch::nn::Module& model,
 
 void load_state_dict_by_rows(torch::nn::Module& model, const RowReader& read) {
   constexpr const char* kOp = "load_state_dict_by_rows";
+  constexpr int64_t kChunkBytes = int64_t{16} << 20;
   const at::NoGradGuard no_grad;
   for (const auto& item : model.named_parameters()) {
     const auto managed = detail::find_managed(item.value());
@@ -192,18 +193,22 @@ void load_state_dict_by_rows(torch::nn::Module& model, const RowReader& read) {
     auto& p = managed->param();
     const auto rows = detail::owned_rows(p, managed->unit->rank);
     p.shard.zero_();
-    if (rows.count > 0) {
-      const at::Tensor source = read(item.key(), rows.first, rows.count);
-      if (source.numel() != rows.count * p.row_numel) {
-        throw Error(std::string("mdist: ") + kOp + ": rows " + std::to_string(rows.first) + ".." +
-                    std::to_string(rows.first + rows.count) + " of '" + item.key() + "' have " +
-                    std::to_string(source.numel()) + " elements, expected " +
-                    std::to_string(rows.count * p.row_numel) + " (shape " +
-                    shape_text(p.full_shape) + ")");
+    // In chunks of about kChunkBytes: what a reader holds for one call (a copy, mapped pages)
+    // then stays small next to the shards even for a large embedding.
+    const int64_t row_bytes = std::max<int64_t>(1, p.row_numel * p.shard.element_size());
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / row_bytes);
+    for (int64_t done = 0; done < rows.count; done += chunk) {
+      const int64_t n = std::min(chunk, rows.count - done);
+      const at::Tensor source = read(item.key(), rows.first + done, n);
+      if (source.numel() != n * p.row_numel) {
+        throw Error(std::string("mdist: ") + kOp + ": rows " + std::to_string(rows.first + done) +
+                    ".." + std::to_string(rows.first + done + n) + " of '" + item.key() +
+                    "' have " + std::to_string(source.numel()) + " elements, expected " +
+                    std::to_string(n * p.row_numel) + " (shape " + shape_text(p.full_shape) + ")");
       }
       p.shard.view({p.chunk_rows, p.row_numel})
-          .narrow(0, 0, rows.count)
-          .copy_(source.reshape({rows.count, p.row_numel}));
+          .narrow(0, done, n)
+          .copy_(source.reshape({n, p.row_numel}));
     }
     managed->unit->reshard();  // a gathered full parameter would be stale
   }

@@ -38,9 +38,9 @@ std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
 void load_full_state_dict(torch::nn::Module& model, const std::map<std::string, at::Tensor>& state);
 
 // Loads every parameter through `read(name, first_row, rows)`, asking for a sharded
-// parameter only the rows this rank owns, and for a whole one (rows = -1) all of it: a loader
-// backed by memory-mapped files then never holds a full copy of a sharded model. No
-// communication. Names as in full_state_dict; shapes must match the model's.
+// parameter only the rows this rank owns (in calls of about 16 MiB each), and for a whole one (rows
+// = -1) all of it: a loader backed by memory-mapped files then never holds a full copy of a sharded
+// model. No communication. Names as in full_state_dict; shapes must match the model's.
 using RowReader =
     std::function<at::Tensor(const std::string& name, int64_t first_row, int64_t rows)>;
 void load_state_dict_by_rows(torch::nn::Module& model, const RowReader& read);
