@@ -13,5 +13,5 @@ libtorch="$(MDIST_WITH_CUDA=1 scripts/install_libtorch.sh | tail -n 1)"
 cmake -S . -B build-cuda -DMDIST_LIBTORCH="$libtorch" -DMDIST_WITH_CUDA=ON \
   -DCUDAToolkit_ROOT="${CUDAToolkit_ROOT:-/usr/local/cuda}" -DMDIST_BUILD_TESTS=OFF \
   -DMDIST_BUILD_BENCH=OFF >/dev/null
-cmake --build build-cuda -j "$(nproc)" --target mdist mdist-demo mdistrun
+cmake --build build-cuda -j "$(nproc)" --target mdist mdist-demo mdistrun mdist_cli
 echo "build_cuda: built build-cuda/lib/libmdist.so with NCCL support" >&2
