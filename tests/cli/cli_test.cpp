@@ -216,6 +216,21 @@ TEST_F(MdistCommand, GenerateSamplesBytesAndIsTheSameOnEveryRankCount) {
   EXPECT_EQ(sample(two.out), sample(one.out)) << one.out << two.out;
 }
 
+TEST_F(MdistCommand, TrainContinuesFromAHuggingFaceDirectory) {
+  const auto first = dir_ / "first";
+  auto r = mdist(2, train_args({"--steps", "6", "--out", first.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  // Its checkpoint is an ordinary HF directory; training from it starts where it ended.
+  const auto model = first / "checkpoints" / "step-00000006";
+  const auto second = dir_ / "second";
+  r = mdist(2, train_args({"--model", model.string(), "--steps", "2", "--out", second.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_THAT(r.out, HasSubstr("model " + model.string()));
+  const double trained = metrics(first).back()["loss"], continued = metrics(second).front()["loss"];
+  EXPECT_LT(continued, metrics(first).front()["loss"].get<double>() - 0.5);
+  EXPECT_NEAR(continued, trained, 0.5);
+}
+
 TEST_F(MdistCommand, InfoShowsVersionsBackendsRanksAndGroups) {
   const auto r = mdist(2, {"info"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);

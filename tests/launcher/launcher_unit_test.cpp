@@ -154,6 +154,7 @@ TEST(LauncherRankEnvironment, ReplacesContractVariablesAndKeepsTheRest) {
   EXPECT_TRUE(has("TORCHELASTIC_RUN_ID=abc"));
   EXPECT_TRUE(has("OMP_NUM_THREADS=1"));
   EXPECT_FALSE(has("OMP_NUM_THREADS=8"));
+  EXPECT_TRUE(has("MDIST_STDOUT_IS_TTY=0"));  // the layout's default: not a terminal
   EXPECT_TRUE(std::ranges::none_of(
       env, [](const std::string& e) { return e.starts_with("MDIST_STORE_LISTEN_FD="); }));
   // No variable appears twice.
@@ -175,6 +176,19 @@ TEST(LauncherRankEnvironment, ListenFdOnlyWhenGivenAndOmpUntouchedWhenNotForced)
       build_rank_environment(layout, 0, std::vector<std::string>{"OMP_NUM_THREADS=8"}, 5);
   EXPECT_NE(std::ranges::find(env, "MDIST_STORE_LISTEN_FD=5"), env.end());
   EXPECT_NE(std::ranges::find(env, "OMP_NUM_THREADS=8"), env.end());
+}
+
+TEST(LauncherRankEnvironment, TellsRanksWhetherTheLaunchersStdoutIsATerminal) {
+  JobLayout layout{.master_addr = "127.0.0.1",
+                   .master_port = 1234,
+                   .run_id = "x",
+                   .omp_num_threads = std::nullopt,
+                   .stdout_is_tty = false};
+  layout.stdout_is_tty = true;
+  const std::vector<std::string> base = {"MDIST_STDOUT_IS_TTY=0"};  // inherited, stale
+  const auto env = build_rank_environment(layout, 0, base, std::nullopt);
+  EXPECT_NE(std::ranges::find(env, "MDIST_STDOUT_IS_TTY=1"), env.end());
+  EXPECT_EQ(std::ranges::find(env, "MDIST_STDOUT_IS_TTY=0"), env.end());
 }
 
 TEST(LauncherOutputPrefixer, PrefixesCompleteLinesAcrossChunks) {
