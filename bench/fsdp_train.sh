@@ -23,11 +23,9 @@ venv="$cache/bench-venv"
 began=$SECONDS
 
 cmake --build "$build" --target fsdp_train mdistrun >/dev/null || { echo "build failed in $build" >&2; exit 1; }
-python_ok=1
-if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import torch, numpy" 2>/dev/null; then
-  { python3 -m venv "$venv" && "$venv/bin/pip" install -q -r bench/requirements.txt; } ||
-    { python_ok=0; echo "bench venv setup failed; Python rows will show the error" >&2; }
-fi
+# shellcheck source=bench/bench_venv.sh
+source bench/bench_venv.sh
+ensure_bench_venv "torch, numpy"
 
 # One thread per rank on both sides: the ranks share this machine's cores, and torch would
 # otherwise start a full thread pool in every rank.

@@ -37,12 +37,9 @@ if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
 fi
 [[ -x "$build/bin/mdist" && -x "$build/bin/mdistrun" ]] ||
   { echo "no $build/bin/mdist or $build/bin/mdistrun (build first: scripts/setup.sh)" >&2; exit 1; }
-python_ok=1
-if [[ ! -x "$venv/bin/python" ]] ||
-  ! "$venv/bin/python" -c "import torch, numpy, transformers" 2>/dev/null; then
-  { python3 -m venv "$venv" && "$venv/bin/pip" install -q -r bench/requirements.txt; } ||
-    { python_ok=0; echo "bench venv setup failed; Python rows will show the error" >&2; }
-fi
+# shellcheck source=bench/bench_venv.sh
+source bench/bench_venv.sh
+ensure_bench_venv "torch, numpy, transformers"
 
 # One thread per rank on both sides: the ranks share this machine's cores, and torch would
 # otherwise start a full thread pool in every rank.
