@@ -46,13 +46,7 @@ int run_calibrate(const CalibrateOptions& o) {
     if (o.max_sequences < 0) throw InputError("--max-sequences must not be negative");
     check_writable_file(o.out, "output file");
     choice = model_for_inference(o.io.model_dir, o.default_run);
-    data = load_data(o.io, DataSplit::train, choice.config.vocab_size);
-    const Windows windows(data, o.io.seq_len, "calibrate");
-    if (o.io.seq_len > choice.config.max_position_embeddings) {
-      throw InputError("--seq-len " + std::to_string(o.io.seq_len) +
-                       " exceeds the model's max_position_embeddings " +
-                       std::to_string(choice.config.max_position_embeddings));
-    }
+    data = load_checked_data(o.io, DataSplit::train, choice, "calibrate");
   });
   const Windows windows(data, o.io.seq_len, "calibrate");
   const ParallelState parallel;  // data parallel over the world

@@ -23,13 +23,7 @@ int run_eval(const EvalOptions& o) {
     if (o.batch_size < 1) throw InputError("--batch-size must be at least 1");
     if (o.out) check_writable_file(*o.out, "output file");
     choice = model_for_inference(o.io.model_dir, o.default_run);
-    data = load_data(o.io, DataSplit::eval, choice.config.vocab_size);
-    const Windows windows(data, o.io.seq_len, "eval");
-    if (o.io.seq_len > choice.config.max_position_embeddings) {
-      throw InputError("--seq-len " + std::to_string(o.io.seq_len) +
-                       " exceeds the model's max_position_embeddings " +
-                       std::to_string(choice.config.max_position_embeddings));
-    }
+    data = load_checked_data(o.io, DataSplit::eval, choice, "eval");
   });
   const Windows windows(data, o.io.seq_len, "eval");
   hf::CausalLM model = build_wrapped_model(choice, o.io.seed);

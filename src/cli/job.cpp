@@ -153,6 +153,18 @@ at::Tensor batch_of(const Windows& windows, const std::vector<std::int64_t>& whi
   return ids;
 }
 
+TokenStream load_checked_data(const ModelDataOptions& options, DataSplit default_split,
+                              const ModelChoice& model, const char* command) {
+  TokenStream data = load_data(options, default_split, model.config.vocab_size);
+  const Windows windows(data, options.seq_len, command);
+  if (options.seq_len > model.config.max_position_embeddings) {
+    throw InputError("--seq-len " + std::to_string(options.seq_len) +
+                     " exceeds the model's max_position_embeddings " +
+                     std::to_string(model.config.max_position_embeddings));
+  }
+  return data;
+}
+
 namespace {
 
 // The nearest existing ancestor of `path` (itself included); it must be a directory we can

@@ -76,6 +76,11 @@ TokenStream load_data(const ModelDataOptions& options, DataSplit default_split,
 // The windows `which` as an int64 tensor [which.size(), seq_len].
 at::Tensor batch_of(const Windows& windows, const std::vector<std::int64_t>& which);
 
+// load_data for `model`, plus the checks every command needs: at least one sequence of
+// options.seq_len tokens, and seq_len within the model's max_position_embeddings.
+TokenStream load_checked_data(const ModelDataOptions& options, DataSplit default_split,
+                              const ModelChoice& model, const char* command);
+
 // Creates `dir` if needed and proves it writable (a probe file is created and removed);
 // InputError otherwise. Creates nothing when the path is not usable.
 void check_writable_dir(const std::filesystem::path& dir, const char* what);

@@ -130,13 +130,7 @@ int run_train(const TrainOptions& o) {
       resumed = read_trainer_state(*resume_from);
     }
     model_choice = o.io.model_dir ? model_from_dir(*o.io.model_dir) : default_model();
-    data = load_data(o.io, DataSplit::train, model_choice.config.vocab_size);
-    const Windows windows(data, o.io.seq_len, "train");
-    if (o.io.seq_len > model_choice.config.max_position_embeddings) {
-      throw InputError("--seq-len " + std::to_string(o.io.seq_len) +
-                       " exceeds the model's max_position_embeddings " +
-                       std::to_string(model_choice.config.max_position_embeddings));
-    }
+    data = load_checked_data(o.io, DataSplit::train, model_choice, "train");
     if (resumed) {
       check_resume_flags(resumed->run, run_flags(o, data, model_choice), *resume_from);
       if (resumed->step >= o.steps) {

@@ -340,6 +340,10 @@ INSTANTIATE_TEST_SUITE_P(
                  {"train", "--out", "DIR/a_file/run"},
                  "output directory 'DIR/a_file/run' is not writable: 'DIR/a_file' is not a "
                  "directory"},
+        BadInput{"SequenceLongerThanTheModelAllows",
+                 1,
+                 {"eval", "--seq-len", "512"},
+                 "--seq-len 512 exceeds the model's max_position_embeddings 256"},
         BadInput{"BatchNotDivisibleByDataParallelSize",
                  2,
                  {"train", "--global-batch", "3", "--out", "OUT"},
