@@ -171,17 +171,26 @@ void replace_directory(const fs::path& from, const fs::path& to) {
   fs::remove_all(old, ec);
 }
 
-void prune(const fs::path& dir, int keep) {
+// Keeps the newest `keep` checkpoints up to `current`. Checkpoints of a later step belong to
+// an earlier run in the same directory that this (fresh) run replaces: they go too, so that
+// "newest" always means this run's.
+void prune(const fs::path& dir, const std::string& current, int keep) {
   std::vector<fs::path> steps;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const auto name = entry.path().filename().string();
-    if (entry.is_directory() && name.rfind("step-", 0) == 0) steps.push_back(entry.path());
+    if (!entry.is_directory() || name.rfind("step-", 0) != 0) continue;
+    if (name > current) {
+      fs::remove_all(entry.path(), ec);
+    } else {
+      steps.push_back(entry.path());
+    }
   }
   std::sort(steps.begin(), steps.end());
   const auto excess = static_cast<std::ptrdiff_t>(steps.size()) - std::max(1, keep);
-  for (std::ptrdiff_t i = 0; i < excess; ++i)
+  for (std::ptrdiff_t i = 0; i < excess; ++i) {
     fs::remove_all(steps[static_cast<std::size_t>(i)], ec);
+  }
 }
 
 }  // namespace
@@ -214,7 +223,7 @@ void save_training_checkpoint(const fs::path& run_dir, hf::CausalLM& model,
   if (rank() == 0) {
     replace_directory(tmp, dir / name);
     hf::write_file_atomically(dir / "latest", name + "\n");
-    prune(dir, keep);
+    prune(dir, name, keep);
   }
   barrier();
 }

@@ -31,7 +31,8 @@ struct TrainerState {
   std::string rng_state_hex;        // libtorch's default CPU generator
 };
 
-// Collective. `keep`: how many checkpoints to keep (older ones are removed).
+// Collective. `keep`: how many checkpoints to keep (older ones are removed, and so are those
+// of later steps, left by an earlier run in the same directory).
 void save_training_checkpoint(const std::filesystem::path& run_dir, hf::CausalLM& model,
                               torch::optim::Optimizer& optimizer, const TrainerState& state,
                               int keep);

@@ -231,6 +231,22 @@ TEST_F(MdistCommand, TrainContinuesFromAHuggingFaceDirectory) {
   EXPECT_NEAR(continued, trained, 0.5);
 }
 
+TEST_F(MdistCommand, AFreshRunReplacesAnEarlierRunsCheckpoints) {
+  const auto run = dir_ / "run";
+  auto r = mdist(1, train_args({"--steps", "6", "--save-every", "2", "--out", run.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  r = mdist(1, train_args({"--steps", "2", "--save-every", "2", "--out", run.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  std::vector<std::string> left;
+  for (const auto& entry : fs::directory_iterator(run / "checkpoints")) {
+    left.push_back(entry.path().filename().string());
+  }
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"latest", "step-00000002"}));
+  EXPECT_EQ(read(run / "checkpoints" / "latest"), "step-00000002\n");
+  EXPECT_EQ(metrics(run).size(), 2u);
+}
+
 TEST_F(MdistCommand, InfoShowsVersionsBackendsRanksAndGroups) {
   const auto r = mdist(2, {"info"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
