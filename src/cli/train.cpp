@@ -129,10 +129,14 @@ int run_train(const TrainOptions& o) {
       }
       resumed = read_trainer_state(*resume_from);
     }
-    model_choice = o.io.model_dir ? model_from_dir(*o.io.model_dir) : default_model();
+    // A resumed run's model is its checkpoint (an HF directory), whatever --model says.
+    model_choice = resume_from      ? model_from_dir(*resume_from)
+                   : o.io.model_dir ? model_from_dir(*o.io.model_dir)
+                                    : default_model();
     data = load_checked_data(o.io, DataSplit::train, model_choice, "train");
     if (resumed) {
       check_resume_flags(resumed->run, run_flags(o, data, model_choice), *resume_from);
+      model_choice.description = resume_from->string() + " (resumed)";
       if (resumed->step >= o.steps) {
         throw InputError("--resume: the checkpoint is at step " + std::to_string(resumed->step) +
                          ", not before --steps " + std::to_string(o.steps));
