@@ -266,7 +266,6 @@ TrainerState read_trainer_state(const fs::path& checkpoint) {
 
 void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
                               torch::optim::Optimizer& optimizer, const TrainerState& state) {
-  hf::load_checkpoint_sharded(*model, checkpoint);
   const OptimizerRows rows(checkpoint / "optimizer");
   if (rows.empty() && state.step > 0) {
     throw InputError("checkpoint '" + checkpoint.string() + "' has no optimizer state");

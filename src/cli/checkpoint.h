@@ -43,8 +43,9 @@ std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::pa
 // Reads trainer_state.json (InputError when missing or malformed).
 TrainerState read_trainer_state(const std::filesystem::path& checkpoint);
 
-// Loads the model's rows and the optimizer's moments (each rank its own rows) and restores the
-// RNG. The optimizer must hold the model's parameters.
+// Loads the optimizer's moments (each rank its own rows) and restores the RNG. The model's
+// weights are not read here: a resumed model is built from the checkpoint directory itself
+// (build_wrapped_model). The optimizer must hold the model's parameters.
 void load_training_checkpoint(const std::filesystem::path& checkpoint, hf::CausalLM& model,
                               torch::optim::Optimizer& optimizer, const TrainerState& state);
 

@@ -201,10 +201,16 @@ int run_train(const TrainOptions& o) {
     state.step = step;
     state.sequences_seen += o.global_batch;
 
-    // Every rank's batch has the same number of tokens, so the mean of the ranks' means is
-    // the global batch's mean loss.
-    const double mean_loss = allreduce(loss.item<double>()) / world;
-    const auto peaks = allgather(peak_rss_mib());
+    // One small all-gather per step for the log: each rank's (loss, peak RSS). Every rank's
+    // batch has the same number of tokens, so the mean of the ranks' means is the global
+    // batch's mean loss.
+    const auto reports = allgather(std::pair{loss.item<double>(), peak_rss_mib()});
+    double mean_loss = 0;
+    std::vector<double> peaks;
+    for (const auto& [rank_loss, peak] : reports) {
+      mean_loss += rank_loss / world;
+      peaks.push_back(peak);
+    }
     const double step_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_began).count();
     ++steps_here;
