@@ -66,4 +66,62 @@ TEST(Hooks, ADeadModulesHooksDoNotPassToANewOneAtItsAddress) {
   EXPECT_EQ(calls, 0);
 }
 
+// A module whose forward throws when asked to: the exception-safety path of the hooks.
+struct FlakyImpl : torch::nn::Module {
+  at::Tensor forward(const at::Tensor& x) { return mdist::nn::hooked(*this, &FlakyImpl::body, x); }
+  at::Tensor body(const at::Tensor& x) {
+    if (fail) throw std::runtime_error("forward failed");
+    return x + 1;
+  }
+  bool fail = false;
+};
+TORCH_MODULE(Flaky);
+
+TEST(Hooks, ErrorHooksRunWhenTheForwardOrAPostHookThrowsAndTheErrorPropagates) {
+  Flaky flaky;
+  std::vector<std::string> log;
+  bool post_throws = false;
+  auto pre = mdist::nn::register_forward_pre_hook(
+      *flaky, [&](torch::nn::Module&, auto&) { log.push_back("pre"); });
+  auto post = mdist::nn::register_forward_hook(*flaky, [&](torch::nn::Module&, auto&) {
+    log.push_back("post");
+    if (post_throws) throw std::runtime_error("post-hook failed");
+  });
+  auto error = mdist::nn::register_forward_error_hook(
+      *flaky, [&](torch::nn::Module&) { log.push_back("error"); });
+
+  flaky->forward(torch::zeros({1}));
+  EXPECT_EQ(log, (std::vector<std::string>{"pre", "post"}));  // no error hook on success
+
+  log.clear();
+  flaky->fail = true;
+  EXPECT_THROW(
+      {
+        try {
+          flaky->forward(torch::zeros({1}));
+        } catch (const std::runtime_error& e) {
+          EXPECT_STREQ(e.what(), "forward failed");
+          throw;
+        }
+      },
+      std::runtime_error);
+  EXPECT_EQ(log, (std::vector<std::string>{"pre", "error"}));
+
+  log.clear();
+  flaky->fail = false;
+  post_throws = true;
+  EXPECT_THROW(mdist::nn::call(flaky, torch::zeros({1})), std::runtime_error);
+  EXPECT_EQ(log, (std::vector<std::string>{"pre", "post", "error"}));
+
+  // Removed, it no longer runs.
+  log.clear();
+  error.remove();
+  flaky->fail = true;
+  EXPECT_THROW(flaky->forward(torch::zeros({1})), std::runtime_error);
+  EXPECT_EQ(log, (std::vector<std::string>{"pre"}));
+  pre.remove();
+  post.remove();
+  EXPECT_FALSE(mdist::nn::has_hooks(*flaky));
+}
+
 }  // namespace

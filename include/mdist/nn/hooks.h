@@ -13,7 +13,9 @@
 //
 // With no hook registered anywhere a call costs one relaxed atomic load; with hooks elsewhere,
 // one hash lookup. Hooks see the call's tensors (arguments, then results) by reference and may
-// replace them, e.g. to cast inputs or to attach autograd nodes to outputs.
+// replace them, e.g. to cast inputs or to attach autograd nodes to outputs. When the forward
+// (or a forward hook) throws after the pre-hooks ran, the module's error hooks run before the
+// exception goes on, so that state a pre-hook set up (FSDP's gathered parameters) is undone.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
@@ -30,6 +32,7 @@ namespace mdist::nn {
 using TensorRefs = std::vector<at::Tensor*>;
 using ForwardPreHook = std::function<void(torch::nn::Module& module, TensorRefs& inputs)>;
 using ForwardHook = std::function<void(torch::nn::Module& module, TensorRefs& outputs)>;
+using ForwardErrorHook = std::function<void(torch::nn::Module& module)>;
 
 // Removes its hook on remove() (not on destruction: hooks usually live as long as the module).
 class HookHandle {
@@ -45,12 +48,15 @@ class HookHandle {
 
 HookHandle register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook);
 HookHandle register_forward_hook(torch::nn::Module& module, ForwardHook hook);
+// Runs when the forward or a forward hook throws after the pre-hooks ran; it must not throw.
+HookHandle register_forward_error_hook(torch::nn::Module& module, ForwardErrorHook hook);
 bool has_hooks(const torch::nn::Module& module);
 
 namespace detail {
 bool any_hooks();
 void run_pre_hooks(torch::nn::Module& module, TensorRefs& inputs);
 void run_post_hooks(torch::nn::Module& module, TensorRefs& outputs);
+void run_error_hooks(torch::nn::Module& module) noexcept;
 
 // Collects the tensors inside a value: a tensor, a vector of tensors, a tuple or pair of such.
 inline void collect(TensorRefs& refs, at::Tensor& tensor) { refs.push_back(&tensor); }
@@ -103,11 +109,16 @@ R run_with_hooks(torch::nn::Module& module, Invoke&& invoke, Args&&... args) {
   TensorRefs inputs;
   collect(inputs, arguments);
   run_pre_hooks(module, inputs);
-  R result = std::apply([&](auto&... a) -> R { return invoke(a...); }, arguments);
-  TensorRefs outputs;
-  collect(outputs, result);
-  run_post_hooks(module, outputs);
-  return result;
+  try {
+    R result = std::apply([&](auto&... a) -> R { return invoke(a...); }, arguments);
+    TensorRefs outputs;
+    collect(outputs, result);
+    run_post_hooks(module, outputs);
+    return result;
+  } catch (...) {
+    run_error_hooks(module);
+    throw;
+  }
 }
 }  // namespace detail
 
