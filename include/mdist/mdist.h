@@ -10,6 +10,7 @@
 #include "mdist/nn/meta.h"                           // IWYU pragma: export
 #include "mdist/objects/codec.h"                     // IWYU pragma: export
 #include "mdist/objects/collectives.h"               // IWYU pragma: export
+#include "mdist/runtime/device.h"                    // IWYU pragma: export
 #include "mdist/runtime/environment.h"               // IWYU pragma: export
 #include "mdist/runtime/group.h"                     // IWYU pragma: export
 #include "mdist/runtime/runtime.h"                   // IWYU pragma: export

@@ -109,12 +109,6 @@ void init_weights(hf::CausalLM& model, std::uint64_t seed, double std) {
 
 }  // namespace
 
-c10::Device compute_device() {
-  if (!torch::cuda::is_available()) return c10::Device(c10::kCPU);
-  const auto devices = static_cast<int>(torch::cuda::device_count());
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank() % devices));
-}
-
 hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed) {
   // A checkpoint is loaded without ever holding the whole model: built on the meta device,
   // wrapped, then each rank reads only its rows from the memory-mapped safetensors.

@@ -11,6 +11,7 @@
 
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
+#include "mdist/runtime/device.h"
 #include "src/cli/commands.h"
 #include "src/cli/input_error.h"
 #include "src/cli/token_data.h"
@@ -57,10 +58,8 @@ ModelChoice default_model();
 ModelChoice model_for_inference(const std::optional<std::filesystem::path>& dir,
                                 const std::filesystem::path& default_run);
 
-// Where the model computes: this rank's CUDA device (local rank modulo the device count) when
-// CUDA is available, else the CPU.
-c10::Device compute_device();
-
+// Where the model computes: mdist::compute_device() (mdist/runtime/device.h), cuda:LOCAL_RANK
+// or the CPU, the device setup() made current.
 // Builds the model and shards it with fsdp2_wrap on compute_device(): weights from choice.dir
 // (hf::load_pretrained_fsdp2: no rank ever holds the whole model), or HF-style seeded
 // initialisation (normal(0, initializer_range) for Linear and Embedding weights,

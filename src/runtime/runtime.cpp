@@ -23,6 +23,7 @@
 
 #include "mdist/error.h"
 #include "mdist/runtime/c10d.h"
+#include "mdist/runtime/device.h"
 #include "src/runtime/runtime_state.h"
 
 namespace mdist {
@@ -66,27 +67,65 @@ bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
 }
 
+// An IPv6 master ("::1", "fd00::2", "[::1]" or a name that resolves only to IPv6) needs an
+// IPv6 socket; everything else gets the IPv4 one it always had.
+bool is_ipv6(const std::string& addr) {
+  if (addr.find(':') != std::string::npos) return true;
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(addr.c_str(), nullptr, &hints, &found) != 0) return false;
+  bool v4 = false;
+  bool v6 = false;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    v4 = v4 || a->ai_family == AF_INET;
+    v6 = v6 || a->ai_family == AF_INET6;
+  }
+  ::freeaddrinfo(found);
+  return v6 && !v4;
+}
+
+// Where rank 0's own client reaches the store it hosts.
+std::string own_store_host(const std::string& master_addr) {
+  return is_ipv6(master_addr) ? "::1" : "127.0.0.1";
+}
+
 // Rank 0 binds the store's socket itself (unless mdistrun already did), so that a port in
 // use is one clear error and a loopback job listens on loopback only.
 int bind_store_socket(const std::string& master_addr, int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const bool v6 = is_ipv6(master_addr);
+  const bool loopback = is_loopback(master_addr);
+  const int fd = ::socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) {
     throw CommunicationError(std::string("mdist: cannot create the store socket: ") +
                              std::strerror(errno));
   }
   const int one = 1;
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = is_loopback(master_addr) ? htonl(INADDR_LOOPBACK) : htonl(INADDR_ANY);
-  if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::listen(fd, 1024) != 0) {
+  int bound = 0;
+  if (v6) {
+    // Dual-stack when listening on every interface: IPv4 peers can join an IPv6 master too.
+    const int zero = 0;
+    ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+    sockaddr_in6 addr{};
+    addr.sin6_family = AF_INET6;
+    addr.sin6_port = htons(static_cast<uint16_t>(port));
+    addr.sin6_addr = loopback ? in6addr_loopback : in6addr_any;
+    bound = ::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  } else {
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = loopback ? htonl(INADDR_LOOPBACK) : htonl(INADDR_ANY);
+    bound = ::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  }
+  if (bound != 0 || ::listen(fd, 1024) != 0) {
     const int err = errno;
     ::close(fd);
-    std::string message = "mdist: rank 0 cannot listen on MASTER_PORT " + std::to_string(port) +
-                          (is_loopback(master_addr) ? " (127.0.0.1): " : " (all interfaces): ") +
-                          std::strerror(err);
+    const char* const where = loopback ? (v6 ? " (::1): " : " (127.0.0.1): ") : " (all interfaces): ";
+    std::string message =
+        "mdist: rank 0 cannot listen on MASTER_PORT " + std::to_string(port) + where +
+        std::strerror(err);
     if (err == EADDRINUSE) message += " (another job or program holds it; pick a free port)";
     throw EnvironmentError(message);
   }
@@ -113,7 +152,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env,
   const QuietTorchLogs quiet;
   try {
     return c10::make_intrusive<c10d::TCPStore>(
-        env.rank == 0 ? std::string("127.0.0.1") : env.master_addr, options);
+        env.rank == 0 ? own_store_host(env.master_addr) : env.master_addr, options);
   } catch (const std::exception& error) {
     const std::string cause = detail::first_line(error);
     if (env.rank == 0) {
@@ -132,6 +171,20 @@ std::string default_backend_spec() {
   if (torch::cuda::is_available()) return "cpu:gloo,cuda:nccl";
 #endif
   return "gloo";
+}
+
+// torchrun's contract: LOCAL_RANK computes on cuda:LOCAL_RANK, made current before NCCL or
+// any CUDA allocation. A node with fewer devices than local ranks is an error only for a
+// backend that uses CUDA; a CPU job (gloo) may run more ranks than the node has GPUs.
+void use_local_device(const LaunchEnv& env, const std::string& backend_spec) {
+  const int devices = detail::cuda_device_count();
+  if (devices == 0) return;
+  try {
+    detail::make_current(select_compute_device(
+        {.cuda_device_count = devices, .local_rank = env.local_rank, .local_size = env.local_world_size}));
+  } catch (const Error& error) {
+    if (backend_spec.find("nccl") != std::string::npos) throw EnvironmentError(error.what());
+  }
 }
 
 int checked_rank_in(const Group& group, const char* op) {
@@ -163,6 +216,7 @@ bool setup(const SetupOptions& options) {
   state.env = *env;
   state.timeout = options.timeout;
   state.backend_spec = options.backend.empty() ? default_backend_spec() : options.backend;
+  use_local_device(*env, state.backend_spec);
   state.store = connect_store(*env, options.timeout);
 
   auto world = std::make_shared<detail::GroupState>();

@@ -117,6 +117,25 @@ TEST(Lifecycle, CleanupSkipsTheBarrierWhileAnExceptionUnwinds) {
   EXPECT_LT(result.elapsed, 20s);  // not the 60 s barrier timeout
 }
 
+// torchrun accepts an IPv6 MASTER_ADDR; rank 0 then binds the store on IPv6 and the rest join.
+TEST(Rendezvous, AnIpv6MasterAddressJoins) {
+  const int port = mdist::testing::free_port();
+  std::vector<std::future<mdist::testing::RunResult>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    RunOptions options = torchrun_env(r, 2, port);
+    options.env["MASTER_ADDR"] = "::1";
+    ranks.push_back(std::async(std::launch::async, [options] {
+      return run({kProbe, "setup"}, options);
+    }));
+  }
+  for (int r = 0; r < 2; ++r) {
+    const auto result = ranks[r].get();
+    EXPECT_EQ(result.exit_code, 0) << result.err;
+    EXPECT_THAT(result.out, StartsWith("joined rank " + std::to_string(r) + " of 2 via "));
+    EXPECT_THAT(result.out, EndsWith(" sum 1\n"));
+  }
+}
+
 // One binary runs unchanged under other launchers: their variables, two real processes.
 void expect_joins_under(const std::string& launcher,
                         const std::function<std::map<std::string, std::string>(int)>& vars) {
