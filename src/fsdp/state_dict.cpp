@@ -1,15 +1,13 @@
-// Sharded and full state dicts of wrapped models, and clip_grad_norm_ over sharded gradients.
+// Sharded and full state dicts of wrapped models, and loading by rows.
 #include "mdist/fsdp/state_dict.h"
 
-#include <cmath>
-#include <limits>
 #include <set>
 #include <sstream>
 
 #include "mdist/error.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
-#include "src/fsdp/fsdp_unit.h"
+#include "src/fsdp/fsdp_state.h"
 
 namespace mdist {
 namespace {
@@ -57,8 +55,8 @@ std::map<std::string, ShardedTensor> sharded_state_dict(torch::nn::Module& model
       continue;
     }
     const auto& p = managed->param();
-    const auto rows = detail::owned_rows(p, managed->unit->rank);
-    state[item.key()] = {p.shard.detach().narrow(0, 0, rows.count).clone(), p.full_shape,
+    const auto rows = p.owned(managed->unit->rank);
+    state[item.key()] = {item.value().detach().narrow(0, 0, rows.count).clone(), p.full_shape(),
                          rows.first};
   }
   for (const auto& item : model.named_buffers()) {
@@ -77,8 +75,8 @@ std::map<std::string, ParamPlacement> param_placements(torch::nn::Module& model)
       continue;
     }
     const auto& p = managed->param();
-    const auto rows = detail::owned_rows(p, managed->unit->rank);
-    placements[item.key()] = {item.value(), p.full_shape, rows.first, rows.count, true};
+    const auto rows = p.owned(managed->unit->rank);
+    placements[item.key()] = {item.value(), p.full_shape(), rows.first, rows.count, true};
   }
   return placements;
 }
@@ -97,18 +95,19 @@ void load_sharded_state_dict(torch::nn::Module& model,
       copy_whole(item.key(), item.value(), source.local, kOp);
       continue;
     }
-    auto& p = managed->param();
-    const auto rows = detail::owned_rows(p, managed->unit->rank);
-    if (source.full_shape != p.full_shape || source.row_offset != rows.first ||
+    const auto& p = managed->param();
+    const auto rows = p.owned(managed->unit->rank);
+    if (source.full_shape != p.full_shape() || source.row_offset != rows.first ||
         (source.local.dim() > 0 ? source.local.size(0) : 1) != rows.count) {
       throw Error(std::string("mdist: ") + kOp + ": '" + item.key() + "' holds rows from " +
                   std::to_string(source.row_offset) + " of shape " + shape_text(source.full_shape) +
                   ", but this rank owns " + std::to_string(rows.count) + " rows from " +
-                  std::to_string(rows.first) + " of shape " + shape_text(p.full_shape) +
+                  std::to_string(rows.first) + " of shape " + shape_text(p.full_shape()) +
                   " (sharded state dicts load into the same group size; use the full one "
                   "to change it)");
     }
-    if (rows.count > 0) p.shard.narrow(0, 0, rows.count).copy_(source.local);
+    if (rows.count > 0) item.value().narrow(0, 0, rows.count).copy_(source.local);
+    managed->unit->invalidate();  // a gathered full parameter would be stale
   }
   for (const auto& item : model.named_buffers()) {
     copy_whole(item.key(), item.value(), state.at(item.key()).local, kOp);
@@ -120,7 +119,7 @@ std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
   std::map<std::string, at::Tensor> state;
   const bool keep = !options.rank0_only || is_master();
   const c10::Device cpu(c10::kCPU);
-  std::set<const detail::FsdpUnit*> gathered_units;
+  std::set<const detail::FsdpParamGroup*> gathered_units;
   std::map<const at::TensorImpl*, at::Tensor> gathered;  // shard -> full
   // Units are gathered in the order their first parameter appears, the same on every rank.
   for (const auto& item : model.named_parameters()) {
@@ -129,9 +128,9 @@ std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
     gathered_units.insert(managed->unit.get());
     const auto& unit = *managed->unit;
     const auto full =
-        unit.gather_full_parameters(options.cpu ? cpu : unit.params.front().shard.device());
+        unit.gather_full_parameters(options.cpu ? cpu : unit.shard_device);
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
-      gathered[unit.params[i].shard.unsafeGetTensorImpl()] = full[i];
+      gathered[unit.params[i].shard_key()] = full[i];
     }
   }
   if (!keep) return state;
@@ -161,99 +160,81 @@ void load_full_state_dict(torch::nn::Module& model,
       copy_whole(item.key(), item.value(), source, kOp);
       continue;
     }
-    auto& p = managed->param();
-    if (!source.sizes().equals(p.full_shape)) {
+    const auto& p = managed->param();
+    if (!source.sizes().equals(p.full_shape())) {
       throw Error(std::string("mdist: ") + kOp + ": '" + item.key() + "' has shape " +
-                  shape_text(source.sizes()) + " but the model's is " + shape_text(p.full_shape));
+                  shape_text(source.sizes()) + " but the model's is " + shape_text(p.full_shape()));
     }
-    const auto rows = detail::owned_rows(p, managed->unit->rank);
-    p.shard.zero_();
+    const auto rows = p.owned(managed->unit->rank);
+    at::Tensor shard = item.value();
+    shard.zero_();
     if (rows.count > 0) {
-      p.shard.view({p.chunk_rows, p.row_numel})
+      shard.view({p.chunk_rows(), p.row_numel()})
           .narrow(0, 0, rows.count)
-          .copy_(source.reshape({p.rows, p.row_numel}).narrow(0, rows.first, rows.count));
+          .copy_(source.reshape({p.rows(), p.row_numel()}).narrow(0, rows.first, rows.count));
     }
-    // A gathered full parameter would now be stale.
-    managed->unit->reshard();
+    managed->unit->invalidate();  // a gathered full parameter would be stale
   }
   for (const auto& item : model.named_buffers())
     copy_whole(item.key(), item.value(), state.at(item.key()), kOp);
 }
 
-void load_state_dict_by_rows(torch::nn::Module& model, const RowReader& read) {
+void load_state_dict_by_rows(torch::nn::Module& model, const RowSource& source) {
   constexpr const char* kOp = "load_state_dict_by_rows";
   constexpr int64_t kChunkBytes = int64_t{16} << 20;
+  const auto keys = source.keys();
+  check_keys(model, std::set<std::string>(keys.begin(), keys.end()), kOp);
+  // Every shape before any value: a bad checkpoint changes nothing.
+  const auto params = model.named_parameters();
+  const auto buffers = model.named_buffers();
+  const auto check_shape = [&](const std::string& name, c10::IntArrayRef expected) {
+    const std::vector<int64_t> shape = source.shape(name);
+    if (!c10::IntArrayRef(shape).equals(expected)) {
+      throw Error(std::string("mdist: ") + kOp + ": size mismatch for '" + name +
+                  "': copying a param with shape " + shape_text(shape) +
+                  " from checkpoint, the shape in current model is " + shape_text(expected));
+    }
+  };
+  for (const auto& item : params) {
+    const auto managed = detail::find_managed(item.value());
+    check_shape(item.key(), managed ? c10::IntArrayRef(managed->param().full_shape())
+                                    : item.value().sizes());
+  }
+  for (const auto& item : buffers) check_shape(item.key(), item.value().sizes());
+
   const at::NoGradGuard no_grad;
-  for (const auto& item : model.named_parameters()) {
+  for (const auto& item : params) {
     const auto managed = detail::find_managed(item.value());
     if (!managed) {
-      copy_whole(item.key(), item.value(), read(item.key(), 0, -1), kOp);
+      copy_whole(item.key(), item.value(), source.read(item.key(), 0, -1), kOp);
       continue;
     }
-    auto& p = managed->param();
-    const auto rows = detail::owned_rows(p, managed->unit->rank);
-    p.shard.zero_();
+    const auto& p = managed->param();
+    const auto rows = p.owned(managed->unit->rank);
+    at::Tensor shard = item.value();
+    shard.zero_();
     // In chunks of about kChunkBytes: what a reader holds for one call (a copy, mapped pages)
     // then stays small next to the shards even for a large embedding.
-    const int64_t row_bytes = std::max<int64_t>(1, p.row_numel * p.shard.element_size());
+    const int64_t row_bytes = std::max<int64_t>(1, p.row_numel() * shard.element_size());
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / row_bytes);
     for (int64_t done = 0; done < rows.count; done += chunk) {
       const int64_t n = std::min(chunk, rows.count - done);
-      const at::Tensor source = read(item.key(), rows.first + done, n);
-      if (source.numel() != n * p.row_numel) {
-        throw Error(std::string("mdist: ") + kOp + ": rows " + std::to_string(rows.first + done) +
-                    ".." + std::to_string(rows.first + done + n) + " of '" + item.key() +
-                    "' have " + std::to_string(source.numel()) + " elements, expected " +
-                    std::to_string(n * p.row_numel) + " (shape " + shape_text(p.full_shape) + ")");
+      const at::Tensor part = source.read(item.key(), rows.first + done, n);
+      if (part.numel() != n * p.row_numel()) {
+        throw Error(std::string("mdist: ") + kOp + ": the reader gave rows " +
+                    std::to_string(rows.first + done) + ".." + std::to_string(rows.first + done + n) +
+                    " of '" + item.key() + "' as " + shape_text(part.sizes()) + ", expected " +
+                    std::to_string(n) + " rows of shape " + shape_text(p.full_shape()));
       }
-      p.shard.view({p.chunk_rows, p.row_numel})
+      shard.view({p.chunk_rows(), p.row_numel()})
           .narrow(0, done, n)
-          .copy_(source.reshape({n, p.row_numel}));
+          .copy_(part.reshape({n, p.row_numel()}));
     }
-    managed->unit->reshard();  // a gathered full parameter would be stale
+    managed->unit->invalidate();  // a gathered full parameter would be stale
   }
-}
-
-double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type) {
-  const bool inf = std::isinf(norm_type);
-  if (!inf && norm_type != 2.0) {
-    throw Error("mdist: clip_grad_norm_: norm_type must be 2 or infinity, got " +
-                std::to_string(norm_type));
+  for (const auto& item : buffers) {
+    copy_whole(item.key(), item.value(), source.read(item.key(), 0, -1), kOp);
   }
-  std::optional<Group> group;
-  double sharded = 0;     // this rank's shards: summed (or maxed) over the group
-  double replicated = 0;  // whole parameters: the same on every rank, counted once
-  std::vector<at::Tensor> grads;
-  const at::NoGradGuard no_grad;
-  for (const auto& item : model.named_parameters()) {
-    const at::Tensor grad = item.value().grad();
-    if (!grad.defined()) continue;
-    grads.push_back(grad);
-    const double part =
-        inf ? grad.abs().max().item<double>() : grad.to(at::kDouble).pow(2).sum().item<double>();
-    const auto managed = detail::find_managed(item.value());
-    if (managed) {
-      if (group && !(*group == managed->unit->options.group)) {
-        throw Error("mdist: clip_grad_norm_: the model's units use different groups");
-      }
-      group = managed->unit->options.group;
-      sharded = inf ? std::max(sharded, part) : sharded + part;
-    } else {
-      replicated = inf ? std::max(replicated, part) : replicated + part;
-    }
-  }
-  const Group over = group.value_or(Group::world());
-  double total = 0;
-  if (inf) {
-    total = std::max(allreduce(sharded, "max", over), replicated);
-  } else {
-    total = std::sqrt(allreduce(sharded + (is_master(over) ? replicated : 0.0), "sum", over));
-  }
-  const double coef = max_norm / (total + 1e-6);
-  if (coef < 1) {
-    for (auto& grad : grads) grad.mul_(coef);
-  }
-  return total;
 }
 
 }  // namespace mdist

@@ -5,11 +5,13 @@
 #include <iomanip>
 #include <iostream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <typeinfo>
 
 #include "mdist/error.h"
 #include "mdist/nn/meta.h"
+#include "mdist/runtime/device.h"
 #include "mdist/runtime/runtime.h"
 
 namespace mdist {
@@ -117,11 +119,11 @@ std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
   options.reshard_after_forward = true;
   if (mp_policy) options.mp_policy = *mp_policy;
   if (cpu_offload) options.offload_policy = CPUOffloadPolicy{};
-  // A model built on the meta device (see mdist/nn/meta.h) computes where fully_shard would
-  // by default: on the GPU when there is one.
+  // A model built on the meta device (see mdist/nn/meta.h), or one offloaded to the CPU,
+  // computes where fully_shard would by default: on this rank's own device.
   const bool meta = nn::has_meta_tensors(model);
   const c10::Device device =
-      cpu_offload || meta ? (at::hasCUDA() ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU))
+      cpu_offload || meta ? compute_device()
                           : (named.is_empty() ? c10::Device(c10::kCPU) : named[0].value().device());
   if (meta) options.device = device;
   std::vector<std::string> odd_names;
@@ -158,26 +160,31 @@ std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
     std::cerr << warning.str() << std::endl;
   }
 
-  // A module whose parameters are all kept whole has nothing to shard.
-  const auto has_shardable = [&](torch::nn::Module& module) {
-    for (const auto& param : module.parameters()) {
-      if (param.scalar_type() == dominant && !fsdp_handle(module)) return true;
+  // What the layers leave to the root (found before wrapping: afterwards the layers'
+  // parameters are new tensors, their shards).
+  std::vector<at::Tensor> rest;
+  {
+    std::set<const c10::TensorImpl*> in_layers;
+    for (const auto& layer : layers) {
+      for (const auto& param : layer->parameters()) in_layers.insert(param.unsafeGetTensorImpl());
     }
-    return false;
-  };
+    for (const auto& item : named) {
+      if (!in_layers.contains(item.value().unsafeGetTensorImpl())) rest.push_back(item.value());
+    }
+  }
+  // A layer whose parameters are all kept whole becomes a unit that only replicates them
+  // (its gradients averaged over the ranks); fully_shard accepts that.
   for (const auto& layer : layers) {
-    if (has_shardable(*layer)) fully_shard(*layer, options);
+    if (!layer->parameters().empty() && !fsdp_handle(*layer)) fully_shard(*layer, options);
   }
-  if (shard_root) {
-    try {
-      fully_shard(model, options);
-    } catch (const Error&) {
-      // Every root parameter belongs to a layer or is kept whole: nothing left to shard.
-      if (!is_fsdp2_model(model)) throw;
-    }
+  // The root's unit shards the rest, or with shard_root=false keeps all of it whole and
+  // replicated, so that its gradients are averaged too.
+  if (!rest.empty()) {
+    if (!shard_root) options.ignored_params = rest;
+    fully_shard(model, options);
   }
-  // What no unit manages (the root's parameters without shard_root) stays whole: from meta it
-  // gets real, uninitialised memory on the compute device, as the replicated ones above.
+  // What stays whole (the root's parameters without shard_root) gets, from meta, real
+  // uninitialised memory on the compute device, as the replicated ones above.
   if (meta) nn::to_empty(model, device);
   return layers;
 }

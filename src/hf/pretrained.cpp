@@ -54,18 +54,32 @@ void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::pa
     }
   }
   const SafetensorsCheckpoint checkpoint(dir);
-  load_state_dict_by_rows(model, [&](const std::string& name, int64_t first_row, int64_t rows) {
-    if (!checkpoint.contains(name)) {
-      throw Error("mdist: load_checkpoint_sharded: '" + dir.string() + "' has no tensor '" + name +
-                  "'");
+  const auto params = model.named_parameters();
+  RowSource source;
+  source.keys = [&] {
+    std::vector<std::string> keys = checkpoint.names();
+    // A tied model's lm_head.weight is embed_tokens.weight: a listed copy is accepted and
+    // ignored, as hf::load_state_dict does.
+    if (!params.contains("lm_head.weight") && params.contains("model.embed_tokens.weight") &&
+        checkpoint.contains("model.embed_tokens.weight")) {
+      std::erase_if(keys, [&](const std::string& key) {
+        return key == "lm_head.weight" &&
+               c10::IntArrayRef(checkpoint.info(key).shape)
+                   .equals(c10::IntArrayRef(checkpoint.info("model.embed_tokens.weight").shape));
+      });
     }
+    return keys;
+  };
+  source.shape = [&](const std::string& name) { return checkpoint.info(name).shape; };
+  source.read = [&](const std::string& name, int64_t first_row, int64_t rows) {
     if (rows < 0) return checkpoint.tensor(name);
     at::Tensor own = checkpoint.read_rows(name, first_row, rows);
     // The rows are copied out: their mapped pages need not stay resident, so a rank's memory
     // stays its shards plus one tensor's rows rather than growing by every row it read.
     checkpoint.release_pages(name);
     return own;
-  });
+  };
+  load_state_dict_by_rows(model, source);
 }
 
 CausalLM load_pretrained_fsdp2(const std::filesystem::path& dir, const Fsdp2LoadOptions& options) {

@@ -145,7 +145,13 @@ TEST(Fsdp2Wrap, ShardsEveryLayerAndTheRootAndComputesTheSame) {
 TEST(Fsdp2Wrap, ShardRootFalseLeavesTheRootWhole) {
   CausalLm lm = seeded();
   mdist::fsdp2_wrap(*lm, /*shard_root=*/false);
-  EXPECT_FALSE(mdist::fsdp_handle(*lm).has_value());
+  // The root's unit only replicates (its gradients are averaged); it shards nothing.
+  const auto root = mdist::fsdp_handle(*lm);
+  ASSERT_TRUE(root.has_value());
+  EXPECT_TRUE(root->managed_parameter_names().empty());
+  EXPECT_EQ(root->replicated_parameter_names(),
+            (std::vector<std::string>{"model.embed_tokens.weight", "model.norm.weight",
+                                      "model.norm.bias", "lm_head.weight", "lm_head.bias"}));
   EXPECT_EQ(lm->model->embed_tokens->weight.sizes(), (c10::IntArrayRef{32, 8}));
   EXPECT_EQ(lm->lm_head->weight.sizes(), (c10::IntArrayRef{32, 8}));
   EXPECT_TRUE(mdist::fsdp_handle(*lm->model->layers[0]).has_value());

@@ -251,6 +251,31 @@ TEST(FullyShard, IgnoredParametersStayWhole) {
   EXPECT_LT(rel_diff(model->forward(x), reference->forward(x)), 1e-6);
 }
 
+// A destroyed wrapped model frees its shards and gathered full parameters at once, even while
+// handles to its units live on: units hold the model's tensors weakly.
+TEST(FullyShard, ADestroyedModelFreesItsMemoryAtOnce) {
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+  std::vector<mdist::FsdpHandle> units;
+  {
+    Mlp model = seeded_model();
+    mdist::FullyShardOptions options;
+    options.reshard_after_forward = false;  // the full parameters stay gathered
+    units.push_back(mdist::fully_shard(*model->fc1, options));
+    units.push_back(mdist::fully_shard(*model, options));
+    model->forward(global_batch(0).x);
+    ASSERT_TRUE(units.front().is_unsharded());
+    for (const auto& p : model->parameters()) {
+      storages.push_back(p.storage().getWeakStorageImpl());  // shards
+    }
+    storages.push_back(model->fc1->weight.storage().getWeakStorageImpl());  // full
+    ASSERT_GT(model->fc1->weight.storage().nbytes(), 0u);
+  }
+  for (std::size_t i = 0; i < storages.size(); ++i) {
+    EXPECT_TRUE(storages[i].expired()) << "storage " << i << " outlived its model";
+  }
+  EXPECT_FALSE(units.front().is_unsharded());
+}
+
 using mdist::testing::error_of;
 
 TEST(FullyShard, BadInput) {

@@ -1,13 +1,18 @@
 #pragma once
 // Layer 5: fully_shard, FSDP2's per-parameter sharding for torch::nn::Module trees.
 //
-// STATUS (the fsdp issue is open): done are dim-0 sharding with padding, nesting (a parameter
-// belongs to the innermost unit), one all-gather per unit per unshard and one reduce-scatter
-// per unit per backward (gradients averaged over the group), storage really freed on reshard,
-// reshard_after_forward true/false, prefetch in forward and backward (order recorded in the
-// first forward), forward-only use, mixed precision (param/reduce/output dtypes), ignored
-// parameters, gradient sync on/off, state dicts and clip_grad_norm_ (state_dict.h).
-// CPU offload too. Not yet: running on CUDA (device-aware code, untested on a GPU here).
+// A unit is FSDP2's FSDPParamGroup: its parameters are dim-0 shards (padded), gathered by one
+// all-gather before each forward and each backward (prefetched in the order the last pass
+// ran), freed after (reshard_after_forward), and their gradients reduce-scattered (averaged
+// over the group) once per backward, after every call of the unit in that step. Parameters
+// that get no gradient in a step (frozen, unused) get none on their shard. The first unit to
+// run a forward is a root: it owns the state of every unit under it (the forward order, the
+// end-of-backward callback), so two wrapped models in one process train independently.
+// A failed step (an exception in forward or backward) is cleaned up at the next forward.
+//
+// Beyond PyTorch: parameters a unit keeps whole (ignored_params, or a unit whose parameters
+// are all ignored) are replicated, and their gradients are averaged over the unit's group in
+// the same backward (FSDP2 leaves them unsynchronised), so the replicas stay equal.
 //
 // Modules call wrapped submodules through mdist::nn::call (mdist/nn/hooks.h), so that the
 // unit's hooks run; a wrapped root must route its own forward through mdist::nn::hooked.
@@ -44,24 +49,25 @@ struct FullyShardOptions {
   MixedPrecisionPolicy mp_policy;
   std::optional<CPUOffloadPolicy> offload_policy;
   // Where forward and backward run. Default: the parameters' device, or with CPU offload or
-  // parameters on the meta device the current CUDA device when CUDA is available, else the CPU.
+  // parameters on the meta device mdist::compute_device() (cuda:LOCAL_RANK, or the CPU).
   std::optional<c10::Device> device;
-  // Parameters (by identity) that stay whole and replicated on every rank.
+  // Parameters (by identity) that stay whole and replicated on every rank; their gradients
+  // are averaged over the group by the unit whose subtree they are found in.
   std::vector<at::Tensor> ignored_params;
 };
 
 namespace detail {
-struct FsdpUnit;
+class FsdpParamGroup;
 }
 
 // A wrapped module's FSDP state. Copies refer to the same unit.
 class FsdpHandle {
  public:
-  explicit FsdpHandle(std::shared_ptr<detail::FsdpUnit> unit) : unit_(std::move(unit)) {}
+  explicit FsdpHandle(std::shared_ptr<detail::FsdpParamGroup> unit) : unit_(std::move(unit)) {}
 
   // Gathers the full parameters now (the forward pre-hook does this on its own).
   void unshard();
-  // Frees the full parameters' storage, keeping the shards.
+  // Frees the full parameters' storage, keeping the shards (and drops a prefetched gather).
   void reshard();
   bool is_unsharded() const;
   // An all-gather for this unit is in flight (prefetched, not yet waited for).
@@ -73,25 +79,30 @@ class FsdpHandle {
   // Off: the full parameters stay gathered after backward (saves the next forward's
   // all-gather during gradient accumulation, at the cost of their memory).
   void set_reshard_after_backward(bool reshard);
-  // Names (relative to the wrapped module) of the parameters this unit manages.
+  // Names (relative to the wrapped module) of the parameters this unit shards; a tied
+  // parameter is managed once, under the first name it is registered with.
   std::vector<std::string> managed_parameter_names() const;
+  // Names of the parameters it keeps whole and replicated (ignored_params under it).
+  std::vector<std::string> replicated_parameter_names() const;
   // Shapes of one managed parameter: before sharding, and of this rank's shard.
   std::vector<int64_t> full_shape(const std::string& name) const;
   std::vector<int64_t> shard_shape(const std::string& name) const;
 
  private:
-  std::shared_ptr<detail::FsdpUnit> unit_;
+  std::shared_ptr<detail::FsdpParamGroup> unit_;
 };
 
 // Shards every parameter under `module` that no nested unit manages and that is not
 // ignored, along dim 0 over the group. Afterwards module.parameters() yields the shards
-// (what an optimizer steps). Wrap inner modules first, then their parents.
+// (what an optimizer steps). Wrap inner modules first, then their parents. A parameter
+// registered under several names (tied weights) is one shard, registered under all of them.
 // Parameters on the meta device (a model built without storage, see mdist/nn/meta.h) are
 // accepted: each rank allocates only its shard (zeros, to be filled e.g. by
 // load_state_dict_by_rows) and the full parameters get memory only when gathered. Ignored
 // meta parameters stay on meta (mdist::nn::to_empty materialises them).
-// Throws Error for a module without parameters to manage, a module wrapped twice, a 0-row
-// parameter, and mixed dtypes inside one unit (naming the parameters).
+// Throws Error for a module without parameters (outside nested units), a module wrapped
+// twice, a module whose parameters a unit already manages (wrapped after its parent), a 0-row
+// parameter, and mixed dtypes among the sharded parameters of one unit (naming them).
 FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});
 
 // The handle of a wrapped module; empty when `module` was not wrapped.

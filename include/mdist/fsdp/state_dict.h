@@ -22,7 +22,8 @@ struct ShardedTensor {
 
 // Each rank's own rows, no communication.
 std::map<std::string, ShardedTensor> sharded_state_dict(torch::nn::Module& model);
-// Loads a dict saved by sharded_state_dict from the same layout (same group size).
+// Loads a dict saved by sharded_state_dict from the same layout (same group size). Units are
+// left resharded.
 void load_sharded_state_dict(torch::nn::Module& model,
                              const std::map<std::string, ShardedTensor>& state);
 
@@ -34,16 +35,29 @@ struct FullStateDictOptions {
 std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
                                                   const FullStateDictOptions& options = {});
 // Loads whole tensors (every rank passes the full dict, e.g. read from one checkpoint);
-// each rank keeps its rows, so a dict saved from any group size loads into any other.
+// each rank keeps its rows, so a dict saved from any group size loads into any other. Units
+// are left resharded.
 void load_full_state_dict(torch::nn::Module& model, const std::map<std::string, at::Tensor>& state);
 
-// Loads every parameter through `read(name, first_row, rows)`, asking for a sharded
-// parameter only the rows this rank owns (in calls of about 16 MiB each), and for a whole one (rows
-// = -1) all of it: a loader backed by memory-mapped files then never holds a full copy of a sharded
-// model. No communication. Names as in full_state_dict; shapes must match the model's.
-using RowReader =
-    std::function<at::Tensor(const std::string& name, int64_t first_row, int64_t rows)>;
-void load_state_dict_by_rows(torch::nn::Module& model, const RowReader& read);
+// A checkpoint that can be read a few rows at a time (e.g. memory-mapped safetensors).
+struct RowSource {
+  // Every tensor the checkpoint holds.
+  std::function<std::vector<std::string>()> keys;
+  // The shape of one of them.
+  std::function<std::vector<int64_t>(const std::string& name)> shape;
+  // Rows [first_row, first_row + rows) of one, or all of it for rows = -1.
+  std::function<at::Tensor(const std::string& name, int64_t first_row, int64_t rows)> read;
+};
+
+// Loads every parameter and buffer from `source`, asking for a sharded parameter only the rows
+// this rank owns (in calls of about 16 MiB each) and for a whole one all of it: a loader
+// backed by memory-mapped files then never holds a full copy of a sharded model. No
+// communication. Keys as in full_state_dict. Before anything is loaded, the keys must be
+// exactly the model's and every shape must be the model's full shape, as torch's
+// load_state_dict checks: an Error names the first missing key ("missing key 'x'"), unexpected
+// key ("unexpected key 'x'"), or "size mismatch for 'x': ..." with both shapes. Units are left
+// resharded (a gathered copy would be stale).
+void load_state_dict_by_rows(torch::nn::Module& model, const RowSource& source);
 
 // Where each parameter of a (possibly wrapped) model lives on this rank, keyed as in
 // full_state_dict: `param` is the tensor the model registers, the one an optimizer holds (for
@@ -60,9 +74,10 @@ struct ParamPlacement {
 };
 std::map<std::string, ParamPlacement> param_placements(torch::nn::Module& model);
 
-// Clips the gradients of a wrapped model by their global norm across ranks (shards summed
-// over the group; replicated parameters counted once, from rank 0) and returns that norm.
-// norm_type: 2 or infinity.
+// Clips the gradients of a wrapped model by their global norm across ranks and returns that
+// norm: shards summed over the group; whole parameters (replicated, their gradients averaged
+// by their unit, so the same on every rank) counted once, from rank 0; a tied parameter once.
+// One device sync and one collective. norm_type: 2 or infinity.
 double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type = 2.0);
 
 }  // namespace mdist

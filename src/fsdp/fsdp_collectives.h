@@ -1,0 +1,53 @@
+#pragma once
+// Private: the communication of a fully_shard unit (FSDP2's _fsdp_collectives): packing the
+// shards into one flat buffer, the all-gather and unpacking it into full parameters, the
+// reduce-scatter of full gradients into shard gradients, and the all-reduce of replicated
+// gradients. One collective per unit and step for each.
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstddef>
+#include <vector>
+
+#include "mdist/runtime/group.h"
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace mdist::detail {
+
+class FsdpParamGroup;
+class FsdpParam;
+
+// An all-gather of a unit's shards, issued and perhaps not yet complete.
+struct PendingGather {
+  c10::intrusive_ptr<c10d::Work> work;  // null when complete (or for one rank)
+  at::Tensor input;                     // kept alive until the work is done
+  at::Tensor output;                    // [world * flat_numel]
+  bool started() const { return output.defined(); }
+};
+
+// Issues the all-gather of every rank's shards in `dtype`, on the unit's compute device,
+// without waiting (prefetch).
+PendingGather start_all_gather(const FsdpParamGroup& unit, c10::ScalarType dtype);
+// Waits for it; returns the gathered buffer and leaves `pending` empty.
+at::Tensor finish_all_gather(PendingGather& pending, const FsdpParamGroup& unit);
+
+// Copies `param`'s rows out of a gathered buffer into `full` (contiguous, full size), dropping
+// the padding.
+void unpack_rows(const FsdpParamGroup& unit, const FsdpParam& param, const at::Tensor& gathered,
+                 const at::Tensor& full);
+
+// Reduce-scatters the full gradients of unit.params[i] for each i in `which` (averaged over
+// the group, in the unit's reduce dtype): element k of the result is this rank's shard of the
+// averaged gradient of params[which[k]], or undefined when no rank had a gradient for it.
+std::vector<at::Tensor> reduce_scatter_gradients(const FsdpParamGroup& unit,
+                                                 const std::vector<std::size_t>& which);
+
+// Averages the gradients of whole, replicated parameters over `group` (`world` ranks), one
+// all-reduce per dtype and device: element k is the average (ranks without a gradient count
+// as zero), or undefined when no rank had one.
+std::vector<at::Tensor> all_reduce_gradients(const FsdpParamGroup& unit,
+                                             const std::vector<at::Tensor>& params);
+
+}  // namespace mdist::detail
