@@ -41,8 +41,8 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
     const at::Tensor wide = grad.to(at::kDouble);
     at::Tensor part = inf ? wide.abs().max() : wide.pow(2).sum();
     if (grad.numel() == 0) part = at::zeros({}, wide.options());
-    auto& bucket = parts[{static_cast<int>(grad.device().type()),
-                          static_cast<int>(grad.device().index())}];
+    auto& bucket =
+        parts[{static_cast<int>(grad.device().type()), static_cast<int>(grad.device().index())}];
     if (const auto managed = detail::find_managed(param)) {
       if (group && !(*group == managed->unit->options.group)) {
         throw Error("mdist: clip_grad_norm_: the model's units use different groups");

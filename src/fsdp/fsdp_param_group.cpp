@@ -103,8 +103,10 @@ void FsdpParamGroup::reduce_sharded_gradients() {
   for (std::size_t k = 0; k < which.size(); ++k) {
     if (!reduced[k].defined()) continue;
     at::Tensor shard = params[which[k]].shard();
-    at::Tensor grad = reduced[k].view(shard.sizes()).to(shard_device, shard_dtype,
-                                                        /*non_blocking=*/false, /*copy=*/true);
+    at::Tensor grad = reduced[k]
+                          .view(shard.sizes())
+                          .to(shard_device, shard_dtype,
+                              /*non_blocking=*/false, /*copy=*/true);
     at::Tensor& existing = shard.mutable_grad();
     if (existing.defined()) {
       existing.add_(grad);  // accumulating over steps without zero_grad, as autograd would

@@ -162,8 +162,7 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
     if (f->tensor.scalar_type() != unit->shard_dtype) {
       throw Error("mdist: fully_shard: parameters of one unit must share a dtype, but '" +
                   sharded.front()->names.front() + "' is " + c10::toString(unit->shard_dtype) +
-                  " and '" + f->names.front() + "' is " +
-                  c10::toString(f->tensor.scalar_type()) +
+                  " and '" + f->names.front() + "' is " + c10::toString(f->tensor.scalar_type()) +
                   "; ignore one of them or wrap them in separate units");
     }
     if (f->tensor.dim() > 0 && f->tensor.size(0) == 0) {
@@ -175,7 +174,8 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
   unit->compute_dtype = mp.param_dtype.value_or(unit->shard_dtype);
   unit->reduce_dtype = mp.reduce_dtype.value_or(unit->compute_dtype);
   unit->compute_device = detail::default_compute_device(
-      options, first.defined() ? first : (replicated.empty() ? at::Tensor() : replicated.front()->tensor));
+      options,
+      first.defined() ? first : (replicated.empty() ? at::Tensor() : replicated.front()->tensor));
   unit->shard_device = options.offload_policy ? c10::Device(c10::kCPU) : unit->compute_device;
   const bool pin = options.offload_policy && options.offload_policy->pin_memory &&
                    unit->compute_device.is_cuda();

@@ -127,8 +127,7 @@ std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
     if (!managed || gathered_units.contains(managed->unit.get())) continue;
     gathered_units.insert(managed->unit.get());
     const auto& unit = *managed->unit;
-    const auto full =
-        unit.gather_full_parameters(options.cpu ? cpu : unit.shard_device);
+    const auto full = unit.gather_full_parameters(options.cpu ? cpu : unit.shard_device);
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
       gathered[unit.params[i].shard_key()] = full[i];
     }
@@ -197,8 +196,8 @@ void load_state_dict_by_rows(torch::nn::Module& model, const RowSource& source) 
   };
   for (const auto& item : params) {
     const auto managed = detail::find_managed(item.value());
-    check_shape(item.key(), managed ? c10::IntArrayRef(managed->param().full_shape())
-                                    : item.value().sizes());
+    check_shape(item.key(),
+                managed ? c10::IntArrayRef(managed->param().full_shape()) : item.value().sizes());
   }
   for (const auto& item : buffers) check_shape(item.key(), item.value().sizes());
 
@@ -222,9 +221,10 @@ void load_state_dict_by_rows(torch::nn::Module& model, const RowSource& source) 
       const at::Tensor part = source.read(item.key(), rows.first + done, n);
       if (part.numel() != n * p.row_numel()) {
         throw Error(std::string("mdist: ") + kOp + ": the reader gave rows " +
-                    std::to_string(rows.first + done) + ".." + std::to_string(rows.first + done + n) +
-                    " of '" + item.key() + "' as " + shape_text(part.sizes()) + ", expected " +
-                    std::to_string(n) + " rows of shape " + shape_text(p.full_shape()));
+                    std::to_string(rows.first + done) + ".." +
+                    std::to_string(rows.first + done + n) + " of '" + item.key() + "' as " +
+                    shape_text(part.sizes()) + ", expected " + std::to_string(n) +
+                    " rows of shape " + shape_text(p.full_shape()));
       }
       shard.view({p.chunk_rows(), p.row_numel()})
           .narrow(0, done, n)

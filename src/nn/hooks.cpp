@@ -22,9 +22,8 @@ struct Registry {
   std::mutex mutex;
   std::atomic<std::size_t> count{0};  // hooks registered anywhere: the fast path reads this
   // A dead module's hooks are dropped at the next lookup of its address.
-  detail::ModuleRegistry<ModuleHooks> hooks{[this](ModuleHooks& dropped) {
-    count -= dropped.size();
-  }};
+  detail::ModuleRegistry<ModuleHooks> hooks{
+      [this](ModuleHooks& dropped) { count -= dropped.size(); }};
   std::uint64_t next_id = 1;
 };
 

@@ -122,10 +122,10 @@ int bind_store_socket(const std::string& master_addr, int port) {
   if (bound != 0 || ::listen(fd, 1024) != 0) {
     const int err = errno;
     ::close(fd);
-    const char* const where = loopback ? (v6 ? " (::1): " : " (127.0.0.1): ") : " (all interfaces): ";
-    std::string message =
-        "mdist: rank 0 cannot listen on MASTER_PORT " + std::to_string(port) + where +
-        std::strerror(err);
+    const char* const where =
+        loopback ? (v6 ? " (::1): " : " (127.0.0.1): ") : " (all interfaces): ";
+    std::string message = "mdist: rank 0 cannot listen on MASTER_PORT " + std::to_string(port) +
+                          where + std::strerror(err);
     if (err == EADDRINUSE) message += " (another job or program holds it; pick a free port)";
     throw EnvironmentError(message);
   }
@@ -180,8 +180,9 @@ void use_local_device(const LaunchEnv& env, const std::string& backend_spec) {
   const int devices = detail::cuda_device_count();
   if (devices == 0) return;
   try {
-    detail::make_current(select_compute_device(
-        {.cuda_device_count = devices, .local_rank = env.local_rank, .local_size = env.local_world_size}));
+    detail::make_current(select_compute_device({.cuda_device_count = devices,
+                                                .local_rank = env.local_rank,
+                                                .local_size = env.local_world_size}));
   } catch (const Error& error) {
     if (backend_spec.find("nccl") != std::string::npos) throw EnvironmentError(error.what());
   }

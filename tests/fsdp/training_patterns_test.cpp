@@ -141,7 +141,7 @@ using AfterBackward = std::function<void(int step)>;
 // kSteps of zero_grad, forward, backward, AdamW step. `sharded`: on this rank's slice, the
 // loss averaged over ranks and the parameters gathered whole; otherwise on the global batch.
 TrainRun train(torch::nn::Module& model, bool sharded, const StepLoss& step_loss,
-          const AfterBackward& after_backward = nullptr) {
+               const AfterBackward& after_backward = nullptr) {
   torch::optim::AdamW opt(unique_parameters(model), adamw());
   TrainRun run;
   for (int step = 0; step < kSteps; ++step) {
@@ -290,14 +290,13 @@ TEST_P(UnitCalledTwice, MatchesSingleProcessTraining) {
   expect_matches(got, expected);
 }
 
-INSTANTIATE_TEST_SUITE_P(Patterns, UnitCalledTwice,
-                         ::testing::Combine(::testing::Values(Reuse::kSum, Reuse::kChain),
-                                            ::testing::Bool()),
-                         [](const auto& param_info) {
-                           return std::string(std::get<0>(param_info.param) == Reuse::kSum ? "Sum"
-                                                                                     : "Chain") +
-                                  (std::get<1>(param_info.param) ? "Reshard" : "KeepFull");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Patterns, UnitCalledTwice,
+    ::testing::Combine(::testing::Values(Reuse::kSum, Reuse::kChain), ::testing::Bool()),
+    [](const auto& param_info) {
+      return std::string(std::get<0>(param_info.param) == Reuse::kSum ? "Sum" : "Chain") +
+             (std::get<1>(param_info.param) ? "Reshard" : "KeepFull");
+    });
 
 // ---------------------------------------------------------------------------------------------
 // b. A no-grad forward of the whole model between a training forward and its backward (an
@@ -404,7 +403,7 @@ TEST_P(FrozenSubmodule, StaysBitIdenticalWithoutGradientsAndTheRestMatches) {
   if (when == FreezeWhen::kShardsAfterWrapping) freeze(*model->layer(frozen_layer));
 
   const TrainRun got = train(*model, true, mse(model),
-                        [&](int step) { expect_grads(*model, initial, is_frozen, step); });
+                             [&](int step) { expect_grads(*model, initial, is_frozen, step); });
   expect_matches(got, expected);
   for (const auto& [name, value] : initial) {
     if (!is_frozen(name)) continue;
@@ -485,7 +484,7 @@ TEST(TrainingPatterns, LoraAdaptersMatchAndBaseWeightsStayBitIdentical) {
   mdist::fully_shard(*model->l1);
   mdist::fully_shard(*model);
   const TrainRun got = train(*model, true, mse(model),
-                        [&](int step) { expect_grads(*model, initial, is_frozen, step); });
+                             [&](int step) { expect_grads(*model, initial, is_frozen, step); });
   expect_matches(got, expected);
   for (const auto& [name, value] : initial) {
     if (is_frozen(name)) {
