@@ -1333,6 +1333,15 @@ TEST(Loading, ByRowsNamesBadCheckpoints) {
   Params missing_buffer = checkpoint;
   missing_buffer.erase("scale");
   EXPECT_THAT(load(missing_buffer), HasSubstr("missing key 'scale'"));
+
+  // Every check comes before any value is loaded: the refused checkpoints changed nothing,
+  // even the one whose first tensors were fine.
+  const Params after = full_params(*model);
+  const Params before = full_params(*seeded<Buffered>(5));
+  for (const auto& [name, value] : before) {
+    ASSERT_TRUE(after.contains(name)) << name;
+    EXPECT_TRUE(torch::equal(after.at(name), value)) << name << " changed";
+  }
 }
 
 class LoadLeavesUnitsResharded : public ::testing::TestWithParam<bool> {};  // full or sharded
