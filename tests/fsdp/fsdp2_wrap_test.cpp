@@ -7,6 +7,7 @@
 
 #include "mdist/hf/fsdp2_wrap.h"
 #include "mdist/mdist.h"
+#include "tests/fsdp/hf_shaped_lm.h"
 #include "tests/fsdp/tiny_transformer.h"
 #include "tests/support/error_of.h"
 
@@ -76,39 +77,7 @@ TEST(DecoderLayers, NothingForMixedTypesOrUnknownLayouts) {
             "layout.");
 }
 
-// An HF-shaped causal LM: model.{embed_tokens, layers, norm}, lm_head.
-struct InnerImpl : torch::nn::Module {
-  InnerImpl() {
-    embed_tokens = register_module("embed_tokens", torch::nn::Embedding(32, 8));
-    layers = register_module("layers", blocks(3));
-    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
-  }
-  torch::nn::Embedding embed_tokens{nullptr};
-  torch::nn::ModuleList layers{nullptr};
-  torch::nn::LayerNorm norm{nullptr};
-};
-TORCH_MODULE(Inner);
-
-struct CausalLmImpl : torch::nn::Module {
-  CausalLmImpl() {
-    model = register_module("model", Inner());
-    lm_head = register_module("lm_head", torch::nn::Linear(8, 32));
-  }
-  at::Tensor forward(const at::Tensor& ids) {
-    return mdist::nn::hooked(*this, &CausalLmImpl::body, ids);
-  }
-  at::Tensor body(const at::Tensor& ids) {
-    at::Tensor h = mdist::nn::call(model->embed_tokens, ids);
-    for (const auto& layer : *model->layers) {
-      auto block = std::dynamic_pointer_cast<mdist::testing::BlockImpl>(layer);
-      h = mdist::nn::call(block, h);
-    }
-    return mdist::nn::call(lm_head, mdist::nn::call(model->norm, h));
-  }
-  Inner model{nullptr};
-  torch::nn::Linear lm_head{nullptr};
-};
-TORCH_MODULE(CausalLm);
+using CausalLm = mdist::testing::HfShapedLm;
 
 CausalLm seeded() {
   torch::manual_seed(21);

@@ -31,6 +31,7 @@
 #include "mdist/fsdp/state_dict.h"
 #include "mdist/hf/fsdp2_wrap.h"
 #include "mdist/mdist.h"
+#include "tests/fsdp/hf_shaped_lm.h"
 #include "tests/fsdp/mlp.h"
 #include "tests/fsdp/tiny_transformer.h"
 #include "tests/support/error_of.h"
@@ -769,45 +770,7 @@ INSTANTIATE_TEST_SUITE_P(Patterns, ReplicatedParameters,
 // g. fsdp2_wrap(shard_root=false): the root's own parameters (embeddings, final norm, head)
 // stay whole and replicated, their gradients averaged over the ranks.
 
-torch::nn::ModuleList hf_blocks(int count) {
-  torch::nn::ModuleList list;
-  for (int i = 0; i < count; ++i) list->push_back(mdist::testing::Block(8, 2, 16));
-  return list;
-}
-
-// An HF-shaped causal LM, as in fsdp2_wrap_test.cpp: model.{embed_tokens, layers, norm}, lm_head.
-struct HfInnerImpl : torch::nn::Module {
-  HfInnerImpl() {
-    embed_tokens = register_module("embed_tokens", torch::nn::Embedding(32, 8));
-    layers = register_module("layers", hf_blocks(3));
-    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
-  }
-  torch::nn::Embedding embed_tokens{nullptr};
-  torch::nn::ModuleList layers{nullptr};
-  torch::nn::LayerNorm norm{nullptr};
-};
-TORCH_MODULE(HfInner);
-
-struct HfCausalLmImpl : torch::nn::Module {
-  HfCausalLmImpl() {
-    model = register_module("model", HfInner());
-    lm_head = register_module("lm_head", torch::nn::Linear(8, 32));
-  }
-  at::Tensor forward(const at::Tensor& ids) {
-    return mdist::nn::hooked(*this, &HfCausalLmImpl::body, ids);
-  }
-  at::Tensor body(const at::Tensor& ids) {
-    at::Tensor h = mdist::nn::call(model->embed_tokens, ids);
-    for (const auto& layer : *model->layers) {
-      auto block = std::dynamic_pointer_cast<mdist::testing::BlockImpl>(layer);
-      h = mdist::nn::call(block, h);
-    }
-    return mdist::nn::call(lm_head, mdist::nn::call(model->norm, h));
-  }
-  HfInner model{nullptr};
-  torch::nn::Linear lm_head{nullptr};
-};
-TORCH_MODULE(HfCausalLm);
+using mdist::testing::HfShapedLm;
 
 // Next-token loss over the batch's token ids: 5 inputs, the 5 following tokens as targets.
 template <class Holder>
@@ -823,10 +786,10 @@ TEST(TrainingPatterns, Fsdp2WrapWithoutShardingTheRootKeepsItReplicated) {
   const std::vector<std::string> root_params = {"model.embed_tokens.weight", "model.norm.weight",
                                                 "model.norm.bias", "lm_head.weight",
                                                 "lm_head.bias"};
-  HfCausalLm reference = seeded<HfCausalLm>(23);
+  HfShapedLm reference = seeded<HfShapedLm>(23);
   const TrainRun expected = train(*reference, false, next_token_loss(reference, 32));
 
-  HfCausalLm lm = seeded<HfCausalLm>(23);
+  HfShapedLm lm = seeded<HfShapedLm>(23);
   const auto layers = mdist::fsdp2_wrap(*lm, /*shard_root=*/false);
   EXPECT_EQ(layers.size(), 3u);
   for (const auto& name : root_params) {
