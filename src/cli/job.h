@@ -58,9 +58,8 @@ ModelChoice default_model();
 ModelChoice model_for_inference(const std::optional<std::filesystem::path>& dir,
                                 const std::filesystem::path& default_run);
 
-// Where the model computes: mdist::compute_device() (mdist/runtime/device.h), cuda:LOCAL_RANK
-// or the CPU, the device setup() made current.
-// Builds the model and shards it with fsdp2_wrap on compute_device(): weights from choice.dir
+// Builds the model and shards it with fsdp2_wrap on mdist::compute_device() (cuda:LOCAL_RANK,
+// made current by setup(), or the CPU; mdist/runtime/device.h): weights from choice.dir
 // (hf::load_pretrained_fsdp2: no rank ever holds the whole model), or HF-style seeded
 // initialisation (normal(0, initializer_range) for Linear and Embedding weights,
 // ones for norms, zeros for biases), identical on every rank for a given seed whatever the world

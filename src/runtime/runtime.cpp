@@ -67,7 +67,7 @@ bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
 }
 
-// An IPv6 master ("::1", "fd00::2", "[::1]" or a name that resolves only to IPv6) needs an
+// An IPv6 master ("::1", "fd00::2", or a name that resolves only to IPv6) needs an
 // IPv6 socket; everything else gets the IPv4 one it always had.
 bool is_ipv6(const std::string& addr) {
   if (addr.find(':') != std::string::npos) return true;
