@@ -14,3 +14,6 @@
 #include "mdist/runtime/environment.h"               // IWYU pragma: export
 #include "mdist/runtime/group.h"                     // IWYU pragma: export
 #include "mdist/runtime/runtime.h"                   // IWYU pragma: export
+#include "mdist/tp/collectives.h"                    // IWYU pragma: export
+#include "mdist/tp/cross_entropy.h"                  // IWYU pragma: export
+#include "mdist/tp/layers.h"                         // IWYU pragma: export

@@ -15,7 +15,10 @@
 
 namespace mdist {
 
-double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type) {
+namespace {
+
+double clip(torch::nn::Module& model, double max_norm, double norm_type,
+            const GradNormScope* scope) {
   const bool inf = std::isinf(norm_type) && norm_type > 0;
   if (!inf && norm_type != 2.0) {
     throw Error("mdist: clip_grad_norm_: norm_type must be 2 or infinity, got " +
@@ -37,7 +40,8 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
     if (!seen.insert(param.unsafeGetTensorImpl()).second) continue;
     const at::Tensor grad = param.grad();
     if (!grad.defined()) continue;
-    grads.push_back(grad);
+    grads.push_back(grad);  // clipped whether counted here or not
+    if (scope != nullptr && !scope->counted(item.key())) continue;
     const at::Tensor wide = grad.to(at::kDouble);
     at::Tensor part = inf ? wide.abs().max() : wide.pow(2).sum();
     if (grad.numel() == 0) part = at::zeros({}, wide.options());
@@ -66,18 +70,33 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
       total = combine(total, values[i]);
     }
   }
-  const Group over = group.value_or(Group::world());
+  // Whole parameters are the same on every rank of their unit's group: counted on its rank 0
+  // (without units and without a scope, on rank 0 of the world; with a scope, where it says).
+  const Group over = scope != nullptr ? scope->group : group.value_or(Group::world());
+  const bool whole_here = group ? is_master(*group) : (scope != nullptr || is_master(over));
   double total = 0;
   if (inf) {
-    total = std::max(allreduce(sharded, "max", over), replicated);
+    total = allreduce(std::max(sharded, replicated), "max", over);
   } else {
-    total = std::sqrt(allreduce(sharded + (is_master(over) ? replicated : 0.0), "sum", over));
+    total = std::sqrt(allreduce(sharded + (whole_here ? replicated : 0.0), "sum", over));
   }
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1) {
     for (auto& grad : grads) grad.mul_(coef);
   }
   return total;
+}
+
+}  // namespace
+
+double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type) {
+  return clip(model, max_norm, norm_type, nullptr);
+}
+
+double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type,
+                       const GradNormScope& scope) {
+  if (!scope.counted) throw Error("mdist: clip_grad_norm_: the scope needs a counted function");
+  return clip(model, max_norm, norm_type, &scope);
 }
 
 }  // namespace mdist

@@ -117,7 +117,7 @@ void load_sharded_state_dict(torch::nn::Module& model,
 std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
                                                   const FullStateDictOptions& options) {
   std::map<std::string, at::Tensor> state;
-  const bool keep = !options.rank0_only || is_master();
+  const bool keep = options.keep.value_or(!options.rank0_only || is_master());
   const c10::Device cpu(c10::kCPU);
   std::set<const detail::FsdpParamGroup*> gathered_units;
   std::map<const at::TensorImpl*, at::Tensor> gathered;  // shard -> full

@@ -90,7 +90,7 @@ std::vector<std::shared_ptr<torch::nn::Module>> get_decoder_layers(torch::nn::Mo
 
 std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
     torch::nn::Module& model, bool shard_root, const std::optional<MixedPrecisionPolicy>& mp_policy,
-    bool cpu_offload) {
+    bool cpu_offload, const Group& group) {
   auto layers = get_decoder_layers(model);
   if (layers.empty()) {
     throw Error(
@@ -116,6 +116,7 @@ std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
   }
 
   FullyShardOptions options;
+  options.group = group;
   options.reshard_after_forward = true;
   if (mp_policy) options.mp_policy = *mp_policy;
   if (cpu_offload) options.offload_policy = CPUOffloadPolicy{};

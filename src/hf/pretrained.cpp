@@ -10,6 +10,7 @@
 #include "mdist/fsdp/state_dict.h"
 #include "mdist/hf/fsdp2_wrap.h"
 #include "mdist/hf/safetensors.h"
+#include "mdist/hf/tensor_parallel.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 
@@ -18,7 +19,18 @@ namespace mdist::hf {
 void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
                      std::uint64_t max_shard_bytes) {
   std::map<std::string, at::Tensor> tensors;
-  if (is_fsdp2_model(*model)) {
+  const auto& plan = model->tensor_parallel;
+  if (plan && plan->size() > 1) {
+    // Each tensor-parallel rank of the group holding rank 0 gathers its own part whole, then
+    // the parts are joined into the HF layout on rank 0.
+    std::map<std::string, at::Tensor> local;
+    if (is_fsdp2_model(*model)) {
+      local = full_state_dict(*model, {.cpu = true, .keep = plan->holds_global_rank0()});
+    } else if (plan->holds_global_rank0()) {
+      for (const auto& item : model->named_parameters()) local[item.key()] = item.value().detach();
+    }
+    if (plan->holds_global_rank0()) tensors = plan->gather(local);
+  } else if (is_fsdp2_model(*model)) {
     tensors = full_state_dict(*model, {.rank0_only = true, .cpu = true});
   } else if (is_master()) {
     for (const auto& item : model->named_parameters()) tensors[item.key()] = item.value().detach();
@@ -79,7 +91,12 @@ void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::pa
     checkpoint.release_pages(name);
     return own;
   };
-  load_state_dict_by_rows(model, source);
+  const auto* causal_lm = dynamic_cast<const CausalLMImpl*>(&model);
+  if (causal_lm != nullptr && causal_lm->tensor_parallel) {
+    load_state_dict_by_rows(model, causal_lm->tensor_parallel->local_source(std::move(source)));
+  } else {
+    load_state_dict_by_rows(model, source);
+  }
 }
 
 CausalLM load_pretrained_fsdp2(const std::filesystem::path& dir, const Fsdp2LoadOptions& options) {
@@ -87,7 +104,12 @@ CausalLM load_pretrained_fsdp2(const std::filesystem::path& dir, const Fsdp2Load
   std::exception_ptr failure;
   try {
     CausalLM built(LlamaConfig::from_file((dir / "config.json").string()), c10::kMeta);
-    fsdp2_wrap(*built, options.shard_root, options.mp_policy, options.cpu_offload);
+    Group data_parallel = Group::world();
+    if (options.parallel) {
+      parallelize(built, *options.parallel);
+      data_parallel = options.parallel->data_parallel_group.group();
+    }
+    fsdp2_wrap(*built, options.shard_root, options.mp_policy, options.cpu_offload, data_parallel);
     load_checkpoint_sharded(*built, dir);
     model = std::move(built);
   } catch (...) {

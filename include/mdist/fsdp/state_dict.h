@@ -7,8 +7,11 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "mdist/runtime/group.h"
 
 namespace mdist {
 
@@ -30,6 +33,9 @@ void load_sharded_state_dict(torch::nn::Module& model,
 struct FullStateDictOptions {
   bool rank0_only = true;  // other ranks get an empty dict
   bool cpu = true;         // gathered tensors on the CPU
+  // Whether this rank keeps the dict, overriding rank0_only (e.g. every rank of the
+  // tensor-parallel group that holds global rank 0, for hf::TensorParallelPlan::gather).
+  std::optional<bool> keep = std::nullopt;
 };
 // Gathers every parameter whole (collective: every rank calls it).
 std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
@@ -79,5 +85,16 @@ std::map<std::string, ParamPlacement> param_placements(torch::nn::Module& model)
 // by their unit, so the same on every rank) counted once, from rank 0; a tied parameter once.
 // One device sync and one collective. norm_type: 2 or infinity.
 double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type = 2.0);
+// For a model split beyond its units' group (tensor parallelism): `counted(name)` says
+// whether this rank's copy of a parameter counts in the norm (false for the copies a
+// tensor-parallel replica also holds), and the norm is summed over `group`, which must span
+// every rank holding a distinct part (the world for TP x FSDP). A whole parameter of a unit
+// counts on its unit group's rank 0; without units, wherever `counted` says.
+struct GradNormScope {
+  std::function<bool(const std::string& name)> counted;
+  Group group = Group::world();
+};
+double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type,
+                       const GradNormScope& scope);
 
 }  // namespace mdist

@@ -42,6 +42,8 @@
 
 namespace mdist::hf {
 
+class TensorParallelPlan;  // mdist/hf/tensor_parallel.h
+
 // HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, cast to x's dtype, times weight.
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps, c10::Device device = c10::kCPU);
@@ -118,6 +120,10 @@ struct CausalLMImpl : torch::nn::Module {
   LlamaConfig config;
   DecoderModel model{nullptr};
   torch::nn::Linear lm_head{nullptr};  // null when tie_word_embeddings
+  // Set by hf::parallelize (mdist/hf/tensor_parallel.h) when the model is split over a
+  // tensor-parallel group: forward then returns this rank's vocabulary columns of the logits,
+  // and saving, loading and the loss go through the plan. Null for an unsplit model.
+  std::shared_ptr<const TensorParallelPlan> tensor_parallel;
 };
 TORCH_MODULE(CausalLM);
 

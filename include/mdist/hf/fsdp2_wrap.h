@@ -29,8 +29,12 @@ std::vector<std::shared_ptr<torch::nn::Module>> get_decoder_layers(torch::nn::Mo
 // rank allocates the full model. Fill it with hf::load_checkpoint_sharded (or use
 // hf::load_pretrained_fsdp2, which does all of it).
 // Throws Error "Could not auto-detect decoder layers; ..." when there are none.
+// `group`: the ranks the parameters are sharded (and their gradients averaged) over; the
+// world by default, a ParallelState's data-parallel group for a model also split by tensor
+// parallelism (hf::parallelize first).
 std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
     torch::nn::Module& model, bool shard_root = true,
-    const std::optional<MixedPrecisionPolicy>& mp_policy = std::nullopt, bool cpu_offload = false);
+    const std::optional<MixedPrecisionPolicy>& mp_policy = std::nullopt, bool cpu_offload = false,
+    const Group& group = Group::world());
 
 }  // namespace mdist

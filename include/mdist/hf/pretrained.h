@@ -7,12 +7,14 @@
 #include <optional>
 
 #include "mdist/fsdp/fully_shard.h"
+#include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
 
 namespace mdist::hf {
 
-// Writes `model` (wrapped by fully_shard or not) to `dir`. A sharded model is gathered first:
-// collective, every rank calls it; rank 0 writes. Every file is written atomically.
+// Writes `model` (wrapped by fully_shard or not, split by hf::parallelize or not) to `dir` in
+// the ordinary HF layout. A sharded or split model is gathered first: collective, every rank
+// calls it; rank 0 writes. Every file is written atomically.
 void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
                      std::uint64_t max_shard_bytes = std::uint64_t{5} << 30);
 
@@ -23,14 +25,19 @@ CausalLM load_pretrained(const std::filesystem::path& dir);
 // rank reads only the rows it owns straight from the memory-mapped safetensors files, so no
 // rank holds a full copy of the sharded weights; the mapped pages of each tensor are released
 // once its rows are copied, so the file does not add up in the rank's memory either. Also
-// works on an unwrapped model; throws Error if a parameter is still on the meta device.
+// works on an unwrapped model; throws Error if a parameter is still on the meta device. A
+// CausalLM split by hf::parallelize reads only its tensor-parallel slice (and within it its
+// own rows).
 void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::path& dir);
 
 // fsdp2_wrap's arguments, for load_pretrained_fsdp2.
 struct Fsdp2LoadOptions {
   bool shard_root = true;
-  std::optional<MixedPrecisionPolicy> mp_policy;
+  std::optional<MixedPrecisionPolicy> mp_policy = std::nullopt;
   bool cpu_offload = false;
+  // With a tensor-parallel group in use: hf::parallelize over it first, then fsdp2_wrap over
+  // its data-parallel group; each rank reads only its tensor-parallel slice's own rows.
+  std::optional<ParallelState> parallel = std::nullopt;
 };
 
 // Builds the model from dir/config.json on the meta device, fsdp2_wrap's it, then each rank

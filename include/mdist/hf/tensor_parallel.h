@@ -1,0 +1,105 @@
+#pragma once
+// Megatron-style tensor parallelism for the Llama family (mdist::hf::CausalLM): the plan that
+// splits a model over a ParallelState's tensor-parallel group, as torchtitan keeps the model
+// apart from its parallelisation. parallelize() cuts the model's own modules in place
+// (mdist/tp/layers.h), so the model keeps its type, its module tree and its HF parameter names:
+//
+//   q_proj, k_proj, v_proj, gate_proj, up_proj   column-parallel (heads / intermediate split)
+//   o_proj, down_proj                            row-parallel (bias added once, replicated)
+//   embed_tokens                                 vocab-parallel (rows split)
+//   lm_head                                      column-parallel over the vocabulary, not
+//                                                gathered: forward returns this rank's logits
+//                                                [B, T, V / T]; loss() never builds the full
+//                                                logits. A tied head uses the split embedding.
+//   norms (and Qwen3's q/k norms)                replicated
+//
+// Heads split evenly: T must divide num_attention_heads; num_key_value_heads must divide by T,
+// or (fewer KV heads than ranks) divide T, in which case each KV head is replicated on the
+// T / kv ranks whose query heads use it (as Megatron-style inference engines do) and its
+// gradient is summed over those ranks. intermediate_size and vocab_size must divide by T. A
+// split that cannot work is one Error naming the sizes.
+//
+// Compose with data parallelism by wrapping afterwards: fsdp2_wrap(model, ..., state's
+// data-parallel group) shards the tensor-parallel parameters over the data-parallel group.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mdist/fsdp/state_dict.h"
+#include "mdist/groups/parallel_state.h"
+#include "mdist/hf/causal_lm.h"
+
+namespace mdist::hf {
+
+// How one parameter (by its HF name) is split over the tensor-parallel group on this rank.
+struct TensorParallelPlacement {
+  enum class Split { kReplicated, kRows, kColumns };
+  Split split = Split::kReplicated;
+  int64_t offset = 0;  // first row (kRows) or column (kColumns) of the full tensor held
+  int64_t length = 0;  // how many
+  std::vector<int64_t> full_shape;
+  // This rank holds the first copy of these values among the ranks that hold them: it writes
+  // them and counts them in a global norm. Every rank for a split tensor; tensor-parallel
+  // rank 0 for a replicated one; the first of the ranks sharing a replicated KV head.
+  bool primary = true;
+  // The shape this rank's tensor has.
+  std::vector<int64_t> local_shape() const;
+};
+
+class TensorParallelPlan {
+ public:
+  TensorParallelPlan(Group group, int64_t vocab_size,
+                     std::map<std::string, TensorParallelPlacement> placements,
+                     bool holds_global_rank0);
+
+  const Group& group() const { return group_; }
+  int size() const;
+  int rank() const;
+  // The first global token id of this rank's logits and embedding rows.
+  int64_t vocab_start() const { return vocab_start_; }
+  const std::map<std::string, TensorParallelPlacement>& placements() const { return placements_; }
+  // The placement of `name`, or a replicated one for a name the plan does not split.
+  TensorParallelPlacement placement(const std::string& name) const;
+
+  // HF's causal-LM loss from this rank's logits [B, T, V / T] (vocab-parallel cross entropy).
+  at::Tensor loss(const at::Tensor& logits, const at::Tensor& labels) const;
+  // Gathers logits [..., V / T] into [..., V] (autograd-aware). For a few positions (the last
+  // one when generating); the loss does not need it.
+  at::Tensor full_logits(const at::Tensor& logits) const;
+
+  // A checkpoint in the HF layout read as this rank's tensors: shapes are local, and rows or
+  // columns come from the full tensor's slice (columns read a bounded number of full rows at
+  // a time). For load_state_dict_by_rows, also under fully_shard.
+  RowSource local_source(RowSource full) const;
+  // Collective over the tensor-parallel group: whole HF-layout tensors from every rank's
+  // local ones (same keys on every rank). Only the group holding global rank 0 needs to call
+  // it (holds_global_rank0); its rank 0 gets the result, the others an empty map.
+  std::map<std::string, at::Tensor> gather(const std::map<std::string, at::Tensor>& local) const;
+  bool holds_global_rank0() const { return holds_global_rank0_; }
+
+ private:
+  Group group_;
+  int64_t vocab_start_ = 0;
+  std::map<std::string, TensorParallelPlacement> placements_;
+  bool holds_global_rank0_ = true;
+};
+
+// Checks that `config` splits over `tensor_parallel` ranks; throws Error naming the sizes.
+void check_tensor_parallel_split(const LlamaConfig& config, int tensor_parallel);
+
+// Splits `model` over state.tensor_parallel_group and records the plan in
+// model->tensor_parallel. A tensor-parallel group that is "not used" or of one rank leaves the
+// model as it is (a plan of size 1). Collective over the world when KV heads are replicated
+// (it makes the groups of ranks that share one); call it on every rank, before fsdp2_wrap.
+// The model may be on the meta device (its parameters get their local shapes).
+std::shared_ptr<const TensorParallelPlan> parallelize(CausalLM& model, const ParallelState& state);
+
+// clip_grad_norm_ of the model, split by parallelize or not, wrapped by fsdp2_wrap or not: the
+// global norm counts each distinct value once (split parts summed over the tensor-parallel
+// and data-parallel ranks, replicated ones once). Wrapped, the data-parallel x
+// tensor-parallel ranks must be the world.
+double clip_grad_norm_(CausalLM& model, double max_norm, double norm_type = 2.0);
+
+}  // namespace mdist::hf

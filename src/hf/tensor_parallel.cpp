@@ -1,0 +1,345 @@
+// hf::parallelize: the Llama family's tensor-parallel plan, and the plan's loss, logits and
+// checkpoint views.
+#include "mdist/hf/tensor_parallel.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "mdist/error.h"
+#include "mdist/fsdp/fully_shard.h"
+#include "mdist/nn/hooks.h"
+#include "mdist/objects/collectives.h"
+#include "mdist/runtime/c10d.h"
+#include "mdist/runtime/device.h"
+#include "mdist/runtime/runtime.h"
+#include "mdist/tp/collectives.h"
+#include "mdist/tp/cross_entropy.h"
+#include "mdist/tp/layers.h"
+
+namespace mdist::hf {
+namespace {
+
+using Split = TensorParallelPlacement::Split;
+
+std::string sizes(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+// Rows (of dim 0) of a full tensor read at a time for a column slice: about 16 MiB.
+int64_t chunk_rows(const std::vector<int64_t>& shape, int64_t element_size) {
+  int64_t row = element_size;
+  for (std::size_t i = 1; i < shape.size(); ++i) row *= shape[i];
+  return std::max<int64_t>(1, (int64_t{16} << 20) / std::max<int64_t>(row, 1));
+}
+
+}  // namespace
+
+std::vector<int64_t> TensorParallelPlacement::local_shape() const {
+  std::vector<int64_t> shape = full_shape;
+  if (split == Split::kRows) shape.at(0) = length;
+  if (split == Split::kColumns) shape.at(1) = length;
+  return shape;
+}
+
+TensorParallelPlan::TensorParallelPlan(Group group, int64_t vocab_size,
+                                       std::map<std::string, TensorParallelPlacement> placements,
+                                       bool holds_global_rank0)
+    : group_(std::move(group)),
+      placements_(std::move(placements)),
+      holds_global_rank0_(holds_global_rank0) {
+  vocab_start_ = size() > 1 ? rank() * (vocab_size / size()) : 0;
+}
+
+int TensorParallelPlan::size() const { return group_.is_not_used() ? 1 : mdist::size(group_); }
+int TensorParallelPlan::rank() const { return group_.is_not_used() ? 0 : mdist::rank(group_); }
+
+TensorParallelPlacement TensorParallelPlan::placement(const std::string& name) const {
+  const auto it = placements_.find(name);
+  if (it != placements_.end()) return it->second;
+  TensorParallelPlacement replicated;
+  replicated.primary = rank() == 0;
+  return replicated;
+}
+
+at::Tensor TensorParallelPlan::loss(const at::Tensor& logits, const at::Tensor& labels) const {
+  if (size() == 1) return causal_lm_loss(logits, labels);
+  return tp::vocab_parallel_causal_lm_loss(logits, labels, group_, vocab_start_);
+}
+
+at::Tensor TensorParallelPlan::full_logits(const at::Tensor& logits) const {
+  if (size() == 1) return logits;
+  return tp::gather_from_group(logits, group_, -1);
+}
+
+RowSource TensorParallelPlan::local_source(RowSource full) const {
+  RowSource local;
+  local.keys = full.keys;
+  local.shape = [this, full](const std::string& name) {
+    const auto it = placements_.find(name);
+    if (it == placements_.end()) return full.shape(name);
+    // The checkpoint's shape must be the full one the plan was made for; otherwise report
+    // the checkpoint's own shape, so that the loader's size check names it.
+    const std::vector<int64_t> shape = full.shape(name);
+    if (shape != it->second.full_shape) return shape;
+    return it->second.local_shape();
+  };
+  local.read = [this, full](const std::string& name, int64_t first_row, int64_t rows) {
+    const auto it = placements_.find(name);
+    if (it == placements_.end() || it->second.split == Split::kReplicated) {
+      return full.read(name, first_row, rows);
+    }
+    const TensorParallelPlacement& p = it->second;
+    if (p.split == Split::kRows) {
+      if (rows < 0) return full.read(name, p.offset, p.length);
+      return full.read(name, p.offset + first_row, rows);
+    }
+    // Columns: full rows a bounded number at a time, narrowed to this rank's columns.
+    if (rows < 0) {
+      first_row = 0;
+      rows = p.full_shape.at(0);
+    }
+    const int64_t step = chunk_rows(p.full_shape, 4);
+    std::vector<at::Tensor> parts;
+    for (int64_t done = 0; done < rows; done += step) {
+      const int64_t n = std::min(step, rows - done);
+      parts.push_back(
+          full.read(name, first_row + done, n).narrow(1, p.offset, p.length).contiguous());
+    }
+    return parts.size() == 1 ? parts.front() : at::cat(parts, 0);
+  };
+  return local;
+}
+
+std::map<std::string, at::Tensor> TensorParallelPlan::gather(
+    const std::map<std::string, at::Tensor>& local) const {
+  const int world = size();
+  const bool keep = rank() == 0;
+  std::map<std::string, at::Tensor> whole;
+  if (world == 1) return local;
+  const auto pg = process_group(group_);
+  const c10::Device device = compute_device();
+  for (const auto& [name, tensor] : local) {
+    const auto it = placements_.find(name);
+    if (it == placements_.end() || it->second.split == Split::kReplicated) {
+      if (keep) whole[name] = tensor;
+      continue;
+    }
+    const TensorParallelPlacement& p = it->second;
+    at::Tensor input = tensor.to(device).contiguous().view({-1});
+    std::vector<int64_t> shape = tensor.sizes().vec();
+    shape.insert(shape.begin(), world);
+    at::Tensor gathered = at::empty({world * input.numel()}, input.options());
+    mdist::wait(pg->all_gather_single(gathered, input), group_, "hf::TensorParallelPlan::gather");
+    gathered = gathered.view(shape);
+    if (!keep) continue;
+    // Ranks that hold the same values (a replicated KV head) are consecutive: keep the first.
+    const int64_t total = p.split == Split::kRows ? p.full_shape.at(0) : p.full_shape.at(1);
+    const int64_t replicas = world * p.length / total;
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < world; r += static_cast<int>(replicas)) parts.push_back(gathered[r]);
+    const at::Tensor joined = at::cat(parts, p.split == Split::kRows ? 0 : 1);
+    if (joined.sizes().vec() != p.full_shape) {
+      throw Error("mdist: hf::TensorParallelPlan::gather: '" + name + "' gathered as " +
+                  sizes(joined.sizes().vec()) + ", expected " + sizes(p.full_shape));
+    }
+    whole[name] = joined.to(tensor.device());
+  }
+  return whole;
+}
+
+void check_tensor_parallel_split(const LlamaConfig& c, int t) {
+  if (t < 1)
+    throw Error("mdist: tensor parallel size must be at least 1, got " + std::to_string(t));
+  if (t == 1) return;
+  const auto fail = [t](const std::string& what) {
+    throw Error("mdist: cannot split the model over " + std::to_string(t) +
+                " tensor-parallel ranks: " + what);
+  };
+  const std::string ts = std::to_string(t);
+  if (c.num_attention_heads % t != 0) {
+    fail("num_attention_heads " + std::to_string(c.num_attention_heads) + " does not divide by " +
+         ts);
+  }
+  const int64_t kv = c.num_key_value_heads;
+  if (kv % t != 0 && t % kv != 0) {
+    fail("num_key_value_heads " + std::to_string(kv) + " neither divides by " + ts +
+         " nor divides it (each rank needs whole KV heads, or a KV head shared by whole ranks)");
+  }
+  if (c.intermediate_size % t != 0) {
+    fail("intermediate_size " + std::to_string(c.intermediate_size) + " does not divide by " + ts);
+  }
+  if (c.vocab_size % t != 0) {
+    fail("vocab_size " + std::to_string(c.vocab_size) + " does not divide by " + ts);
+  }
+}
+
+std::shared_ptr<const TensorParallelPlan> parallelize(CausalLM& model, const ParallelState& state) {
+  if (model->tensor_parallel) {
+    throw Error("mdist: hf::parallelize: the model is already split over a tensor-parallel group");
+  }
+  if (is_fsdp2_model(*model)) {
+    throw Error(
+        "mdist: hf::parallelize: the model is already wrapped by fully_shard; parallelize "
+        "first, then fsdp2_wrap over the data-parallel group");
+  }
+  const Group tp = state.tensor_parallel_group.group();
+  const int t = tp.is_not_used() ? 1 : size(tp);
+  const int r = tp.is_not_used() ? 0 : rank(tp);
+  const LlamaConfig& c = model->config;
+  check_tensor_parallel_split(c, t);
+  std::map<std::string, TensorParallelPlacement> placements;
+  if (t == 1) {
+    auto plan = std::make_shared<const TensorParallelPlan>(tp, c.vocab_size, placements, true);
+    model->tensor_parallel = plan;
+    return plan;
+  }
+
+  // Every tensor-parallel group, in the same order on every rank (for new_group and for
+  // knowing whether this group holds global rank 0).
+  const std::vector<int> mine = tp.ranks();
+  std::vector<std::vector<int>> groups;
+  for (auto& ranks : allgather(mine)) {
+    if (std::find(groups.begin(), groups.end(), ranks) == groups.end()) groups.push_back(ranks);
+  }
+  std::sort(groups.begin(), groups.end());
+  const bool holds_rank0 = std::find(mine.begin(), mine.end(), 0) != mine.end();
+
+  const int64_t hd = c.head_dim;
+  const int64_t heads = c.num_attention_heads / t;
+  const int64_t kv = c.num_key_value_heads;
+  const bool replicated_kv = kv < t;
+  const int64_t replicas = replicated_kv ? t / kv : 1;
+  const int64_t kv_local = replicated_kv ? 1 : kv / t;
+  const int64_t kv_first = replicated_kv ? (r / replicas) : r * kv_local;  // first KV head held
+  // The ranks that share this rank's KV head, as a group of their own (collective: every
+  // rank makes every such group, in order).
+  Group kv_group = tp;
+  if (replicated_kv) {
+    for (const auto& ranks : groups) {
+      for (int64_t head = 0; head < kv; ++head) {
+        std::vector<int> sharing(ranks.begin() + head * replicas,
+                                 ranks.begin() + (head + 1) * replicas);
+        Group made = new_group(sharing);
+        if (made.is_member()) kv_group = made;
+      }
+    }
+  }
+
+  const auto rows_of = [&](const std::string& name, const at::Tensor& param, int64_t offset,
+                           int64_t length, bool primary) {
+    TensorParallelPlacement p;
+    p.split = Split::kRows;
+    p.offset = offset;
+    p.length = length;
+    p.full_shape = param.sizes().vec();
+    p.primary = primary;
+    placements[name] = p;
+  };
+  const auto columns_of = [&](const std::string& name, const at::Tensor& param) {
+    TensorParallelPlacement p;
+    p.split = Split::kColumns;
+    p.full_shape = param.sizes().vec();
+    p.length = p.full_shape.at(1) / t;
+    p.offset = r * p.length;
+    placements[name] = p;
+  };
+  const auto replicated = [&](const std::string& name, const at::Tensor& param) {
+    TensorParallelPlacement p;
+    p.full_shape = param.sizes().vec();
+    p.length = p.full_shape.empty() ? 1 : p.full_shape[0];
+    p.primary = r == 0;
+    placements[name] = p;
+  };
+  const auto column = [&](const std::string& name, torch::nn::Linear& linear, int64_t offset,
+                          int64_t length, bool primary, bool copy_input) {
+    rows_of(name + ".weight", linear->weight, offset, length, primary);
+    if (linear->bias.defined()) rows_of(name + ".bias", linear->bias, offset, length, primary);
+    tp::parallelize_column(*linear, tp,
+                           {.copy_input = copy_input, .rows = tp::RowRange{offset, length}});
+  };
+  const auto row = [&](const std::string& name, torch::nn::Linear& linear) {
+    columns_of(name + ".weight", linear->weight);
+    if (linear->bias.defined()) replicated(name + ".bias", linear->bias);
+    tp::parallelize_row(*linear, tp);
+  };
+  // The input of q/k/v (and of gate/up) is copied to the group once, at the block's entry, so
+  // that its gradient is all-reduced once rather than once per projection.
+  const auto copy_first_input = [tp](torch::nn::Module& module) {
+    nn::register_forward_pre_hook(module, [tp](torch::nn::Module&, nn::TensorRefs& inputs) {
+      if (!inputs.empty()) *inputs.front() = tp::copy_to_group(*inputs.front(), tp);
+    });
+  };
+
+  DecoderModelImpl& body = *model->model;
+  const int64_t vocab_part = c.vocab_size / t;
+  rows_of("model.embed_tokens.weight", body.embed_tokens->weight, r * vocab_part, vocab_part, true);
+  tp::parallelize_vocab_embedding(*body.embed_tokens, tp);
+  for (std::size_t i = 0; i < body.decoder_layers.size(); ++i) {
+    DecoderLayerImpl& layer = *body.decoder_layers[i];
+    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    AttentionImpl& attn = *layer.self_attn;
+    const bool primary_kv = !replicated_kv || r % replicas == 0;
+    column(prefix + "self_attn.q_proj", attn.q_proj, r * heads * hd, heads * hd, true, false);
+    column(prefix + "self_attn.k_proj", attn.k_proj, kv_first * hd, kv_local * hd, primary_kv,
+           false);
+    column(prefix + "self_attn.v_proj", attn.v_proj, kv_first * hd, kv_local * hd, primary_kv,
+           false);
+    if (replicated_kv) {
+      for (auto* linear : {&attn.k_proj, &attn.v_proj}) {
+        tp::sum_gradients_over((*linear)->weight, kv_group);
+        if ((*linear)->bias.defined()) tp::sum_gradients_over((*linear)->bias, kv_group);
+      }
+    }
+    row(prefix + "self_attn.o_proj", attn.o_proj);
+    if (attn.q_norm) {
+      // Each rank normalises its own heads with the shared weight: its gradient is a sum
+      // over the ranks.
+      replicated(prefix + "self_attn.q_norm.weight", attn.q_norm->weight);
+      replicated(prefix + "self_attn.k_norm.weight", attn.k_norm->weight);
+      tp::sum_gradients_over(attn.q_norm->weight, tp);
+      tp::sum_gradients_over(attn.k_norm->weight, tp);
+    }
+    attn.heads = heads;
+    attn.kv_heads = kv_local;
+    copy_first_input(attn);
+    MLPImpl& mlp = *layer.mlp;
+    const int64_t inter = c.intermediate_size / t;
+    column(prefix + "mlp.gate_proj", mlp.gate_proj, r * inter, inter, true, false);
+    column(prefix + "mlp.up_proj", mlp.up_proj, r * inter, inter, true, false);
+    row(prefix + "mlp.down_proj", mlp.down_proj);
+    copy_first_input(mlp);
+    replicated(prefix + "input_layernorm.weight", layer.input_layernorm->weight);
+    replicated(prefix + "post_attention_layernorm.weight", layer.post_attention_layernorm->weight);
+  }
+  replicated("model.norm.weight", body.norm->weight);
+  if (model->lm_head) {
+    column("lm_head", model->lm_head, r * vocab_part, vocab_part, true, true);
+  } else {
+    // Tied: the head is at::linear(h, embed_tokens.weight) on this rank's vocabulary rows; the
+    // final norm's output is its input, copied to the group there.
+    nn::register_forward_hook(*body.norm, [tp](torch::nn::Module&, nn::TensorRefs& outputs) {
+      if (!outputs.empty()) *outputs.front() = tp::copy_to_group(*outputs.front(), tp);
+    });
+  }
+  auto plan = std::make_shared<const TensorParallelPlan>(tp, c.vocab_size, std::move(placements),
+                                                         holds_rank0);
+  model->tensor_parallel = plan;
+  return plan;
+}
+
+double clip_grad_norm_(CausalLM& model, double max_norm, double norm_type) {
+  const auto& plan = model->tensor_parallel;
+  if (!plan || plan->size() == 1) return mdist::clip_grad_norm_(*model, max_norm, norm_type);
+  GradNormScope scope;
+  scope.counted = [&plan](const std::string& name) { return plan->placement(name).primary; };
+  scope.group = is_fsdp2_model(*model) ? Group::world() : plan->group();
+  return mdist::clip_grad_norm_(*model, max_norm, norm_type, scope);
+}
+
+}  // namespace mdist::hf

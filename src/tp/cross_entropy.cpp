@@ -1,0 +1,114 @@
+// Vocab-parallel cross entropy: the softmax's normaliser and the target logit come from two
+// all-reduces over the tensor-parallel group; the gradient is computed locally.
+#include "mdist/tp/cross_entropy.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <sstream>
+#include <string>
+
+#include "mdist/error.h"
+#include "mdist/runtime/runtime.h"
+#include "mdist/tp/collectives.h"
+
+namespace mdist::tp {
+namespace {
+
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+// d loss / d logits = (softmax - one_hot) * (valid / count), on this rank's columns.
+struct VocabParallelCrossEntropyBackward : torch::autograd::Node {
+  at::Tensor softmax;       // [N, Vl] fp32
+  at::Tensor local_target;  // [N] int64 column on this rank, 0 where not on it
+  at::Tensor on_rank;       // [N] bool: the target is one of this rank's columns (and valid)
+  at::Tensor weight;        // [N] fp32: 1 / count for a valid label, 0 otherwise
+  c10::ScalarType dtype = c10::kFloat;
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (!grads[0].defined()) return {at::Tensor()};
+    at::Tensor grad = softmax.clone();
+    const at::Tensor rows = at::arange(grad.size(0), local_target.options());
+    grad.index_put_({rows, local_target},
+                    grad.index({rows, local_target}) - on_rank.to(at::kFloat));
+    grad.mul_((weight * grads[0].to(at::kFloat)).unsqueeze(1));
+    return {grad.to(dtype)};
+  }
+  std::string name() const override { return "mdist::tp::VocabParallelCrossEntropyBackward"; }
+};
+
+}  // namespace
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
+                                        const Group& group, int64_t vocab_start,
+                                        int64_t ignore_index) {
+  if (logits.dim() != 2 || labels.dim() != 1 || logits.size(0) != labels.size(0)) {
+    throw Error("mdist::tp::vocab_parallel_cross_entropy: logits " + shape_of(logits) +
+                " and labels " + shape_of(labels) + " are not [N, V / T] and [N]");
+  }
+  const int64_t local_vocab = logits.size(1);
+  at::Tensor z;
+  {
+    const at::NoGradGuard no_grad;
+    z = logits.detach().to(at::kFloat);
+  }
+  const at::Tensor target = labels.to(at::kLong).to(logits.device());
+  const at::Tensor valid = target != ignore_index;
+  const at::Tensor on_rank =
+      valid.logical_and(target >= vocab_start).logical_and(target < vocab_start + local_vocab);
+  const int64_t vocab = local_vocab * size(group);
+  if (valid.logical_and(target.lt(0).logical_or(target.ge(vocab))).any().item<bool>()) {
+    throw Error("mdist::tp::vocab_parallel_cross_entropy: a label is outside the vocabulary [0, " +
+                std::to_string(vocab) + ") and is not the ignore index " +
+                std::to_string(ignore_index));
+  }
+  const at::Tensor local_target = at::where(on_rank, target - vocab_start, at::zeros_like(target));
+
+  // The row maxima over the whole vocabulary, for a stable exponent.
+  at::Tensor max = std::get<0>(z.max(1)).contiguous();
+  all_reduce_(max, group, "max");
+  const at::Tensor shifted = z - max.unsqueeze(1);
+  const at::Tensor exp = shifted.exp();
+  // Sum of exponentials and the target's shifted logit (on the rank that has it), in one
+  // all-reduce.
+  const at::Tensor picked = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1);
+  at::Tensor packed =
+      at::stack({exp.sum(1), at::where(on_rank, picked, at::zeros_like(picked))}).contiguous();
+  all_reduce_(packed, group, "sum");
+  const at::Tensor sum_exp = packed[0];
+  const at::Tensor per_token = sum_exp.log() - packed[1];  // -log softmax[target]
+  const at::Tensor count = valid.sum().to(at::kFloat);
+  const at::Tensor weight = valid.to(at::kFloat) / count;
+  // Every label ignored: weight is 0 / 0 and the loss NaN, as torch's mean reduction gives.
+  at::Tensor loss = (per_token * weight).sum();
+
+  if (at::GradMode::is_enabled() && logits.requires_grad()) {
+    auto node = c10::make_intrusive<VocabParallelCrossEntropyBackward>();
+    node->softmax = exp / sum_exp.unsqueeze(1);
+    node->local_target = local_target;
+    node->on_rank = on_rank;
+    node->weight = weight;
+    node->dtype = logits.scalar_type();
+    node->set_next_edges(torch::autograd::collect_next_edges(logits));
+    torch::autograd::impl::set_gradient_edge(
+        loss, torch::autograd::Edge(node, node->add_input_metadata(loss)));
+  }
+  return loss;
+}
+
+at::Tensor vocab_parallel_causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels,
+                                         const Group& group, int64_t vocab_start) {
+  if (logits.dim() != 3 || labels.dim() != 2 || logits.size(0) != labels.size(0) ||
+      logits.size(1) != labels.size(1)) {
+    throw Error("mdist::tp::vocab_parallel_causal_lm_loss: logits " + shape_of(logits) +
+                " and labels " + shape_of(labels) + " are not [B, T, V / T] and [B, T]");
+  }
+  const int64_t local_vocab = logits.size(2);
+  return vocab_parallel_cross_entropy(logits.slice(1, 0, -1).reshape({-1, local_vocab}),
+                                      labels.slice(1, 1).reshape({-1}), group, vocab_start);
+}
+
+}  // namespace mdist::tp
