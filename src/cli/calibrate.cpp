@@ -1,7 +1,10 @@
-// `mdist calibrate`: post-training-quantization calibration. Forward-only passes over data
-// split across the data-parallel group record, for every Linear, the absolute max of its input
-// and of its weight; each rank's maxima are synced with get_dist_syncd_obj (max) over the
-// ParallelState's data-parallel group and written as JSON keyed by module name.
+// `mdist calibrate`: post-training-quantization calibration, as modelopt's max calibration.
+// Forward-only passes over data split across the data-parallel group record, for every
+// Linear, the absolute max of its input and of its weight; each rank's maxima are synced with
+// get_dist_syncd_obj (max) over the ParallelState's data-parallel group, then over its
+// tensor-parallel group (a column-parallel layer's weight, a row-parallel layer's input and
+// weight are split over it: modelopt's rule syncs both amaxes of both kinds over TP), and
+// written as JSON keyed by the HF module names, whatever the layout.
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
@@ -45,12 +48,14 @@ int run_calibrate(const CalibrateOptions& o) {
   agree_on_inputs([&] {
     if (o.max_sequences < 0) throw InputError("--max-sequences must not be negative");
     check_writable_file(o.out, "output file");
+    check_tensor_parallel_size(o.io.tensor_parallel);
     choice = model_for_inference(o.io.model_dir, o.default_run);
+    check_tensor_parallel(o.io.tensor_parallel, choice.config);
     data = load_checked_data(o.io, DataSplit::train, choice, "calibrate");
   });
   const Windows windows(data, o.io.seq_len, "calibrate");
-  const ParallelState parallel;  // data parallel over the world
-  hf::CausalLM model = build_wrapped_model(choice, o.io.seed);
+  const ParallelState parallel = make_layout(o.io.tensor_parallel);
+  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, parallel);
   model->eval();
   const torch::NoGradGuard no_grad;
   const c10::Device device = compute_device();
@@ -79,8 +84,7 @@ int run_calibrate(const CalibrateOptions& o) {
   say("mdist calibrate: model " + choice.description);
   say("mdist calibrate: " + std::to_string(total) + " sequences of " +
       std::to_string(o.io.seq_len) + " tokens from " + data.description + ", " +
-      std::to_string(stats.size()) + " Linear modules, data parallel over " +
-      std::to_string(parallel.data_parallel_group.world_size()) + " rank(s)");
+      std::to_string(stats.size()) + " Linear modules, " + describe_layout(parallel));
   // One sequence per forward: a sequence's activations are then computed the same way
   // whatever the number of ranks, so the maxima (and the JSON) are identical bit for bit.
   const auto plan = plan_forwards(total, parallel.data_parallel_group.world_size(),
@@ -94,8 +98,9 @@ int run_calibrate(const CalibrateOptions& o) {
   recording = false;
   for (auto& hook : hooks) hook.remove();
 
+  // A "not used" tensor-parallel group is skipped.
   const AbsMax synced = DistributedProcessGroup::get_dist_syncd_obj(
-      stats, parallel.data_parallel_group, elementwise_max);
+      stats, {parallel.data_parallel_group, parallel.tensor_parallel_group}, elementwise_max);
   if (rank() == 0) {
     nlohmann::ordered_json modules = nlohmann::ordered_json::object();
     for (const auto& [name, value] : synced) {

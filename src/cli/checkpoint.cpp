@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cinttypes>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -14,6 +15,7 @@
 #include "mdist/fsdp/state_dict.h"
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
+#include "mdist/hf/tensor_parallel.h"
 #include "mdist/runtime/runtime.h"
 #include "src/cli/input_error.h"
 
@@ -21,7 +23,9 @@ namespace mdist::cli {
 namespace {
 
 namespace fs = std::filesystem;
-constexpr const char* kOptimizerFormat = "mdist.adamw.rows.v1";
+// v2: each moment's metadata is "row_offset,col_offset"; v1 (rows only) is still read.
+constexpr const char* kOptimizerFormat = "mdist.adamw.blocks.v2";
+constexpr const char* kOptimizerFormatV1 = "mdist.adamw.rows.v1";
 
 std::string step_name(int step) {
   char name[32];
@@ -84,20 +88,48 @@ at::Tensor owned(const at::Tensor& moment, int64_t rows) {
   return moment.narrow(0, 0, rows).contiguous();
 }
 
+// Where this rank's part of a parameter lies in the full HF-layout tensor: rows
+// [row_offset, row_offset + rows) and, for a weight split by columns over the tensor-parallel
+// group, columns from col_offset (its local width); and whether this rank writes it (it holds
+// the first copy: every data-parallel rank its shard, data-parallel rank 0 a whole
+// parameter, and among tensor-parallel replicas the primary).
+struct Block {
+  int64_t row_offset = 0;
+  int64_t rows = 0;
+  int64_t col_offset = 0;
+  bool writes = false;
+};
+
+Block block_of(const std::string& name, const ParamPlacement& place, const hf::CausalLM& model,
+               const ParallelState& parallel) {
+  Block block{place.row_offset, place.rows, 0, false};
+  bool primary = true;
+  if (const auto& plan = model->tensor_parallel; plan && plan->size() > 1) {
+    const auto tp = plan->placement(name);
+    primary = tp.primary;
+    using Split = hf::TensorParallelPlacement::Split;
+    if (tp.split == Split::kRows) block.row_offset += tp.offset;
+    if (tp.split == Split::kColumns) block.col_offset = tp.offset;
+  }
+  const bool dp_first = parallel.data_parallel_group.rank() <= 0;
+  block.writes = place.rows > 0 && primary && (place.sharded || dp_first);
+  return block;
+}
+
 void write_optimizer_rows(const fs::path& file, hf::CausalLM& model,
-                          torch::optim::Optimizer& optimizer) {
+                          torch::optim::Optimizer& optimizer, const ParallelState& parallel) {
   std::map<std::string, at::Tensor> tensors;
   std::map<std::string, std::string> metadata{{"format", kOptimizerFormat}};
   for (const auto& [name, place] : param_placements(*model)) {
-    // A whole (unsharded) parameter has the same moments on every rank: rank 0 writes them.
-    if (place.rows == 0 || (!place.sharded && rank() != 0)) continue;
+    const Block block = block_of(name, place, model, parallel);
+    if (!block.writes) continue;
     const auto* state = adamw_state(optimizer, place.param);
     if (state == nullptr) continue;
     for (const auto& [kind, moment] :
          {std::pair{"exp_avg", state->exp_avg()}, std::pair{"exp_avg_sq", state->exp_avg_sq()}}) {
       const std::string key = name + "/" + kind;
       tensors[key] = owned(moment, place.rows).to(torch::kCPU);
-      metadata[key] = std::to_string(place.row_offset);
+      metadata[key] = std::to_string(block.row_offset) + "," + std::to_string(block.col_offset);
     }
   }
   hf::save_safetensors(file, tensors, metadata);
@@ -117,7 +149,8 @@ class OptimizerRows {
       files_.push_back(std::make_unique<hf::SafetensorsFile>(path));
       const auto& file = *files_.back();
       const auto format = file.metadata().find("format");
-      if (format == file.metadata().end() || format->second != kOptimizerFormat) {
+      if (format == file.metadata().end() ||
+          (format->second != kOptimizerFormat && format->second != kOptimizerFormatV1)) {
         throw InputError("'" + path.string() + "' is not an mdist optimizer state file");
       }
       for (const auto& key : file.names()) {
@@ -125,38 +158,58 @@ class OptimizerRows {
         if (offset == file.metadata().end()) {
           throw InputError("'" + path.string() + "' has no row offset for '" + key + "'");
         }
-        pieces_[key].push_back({&file, std::stoll(offset->second), file.info(key).shape.at(0)});
+        const auto shape = file.info(key).shape;
+        Piece piece{&file, 0, shape.at(0), 0, shape.size() >= 2 ? shape[1] : 1};
+        if (std::sscanf(offset->second.c_str(), "%" SCNd64 ",%" SCNd64, &piece.offset,
+                        &piece.col_offset) < 1) {
+          throw InputError("'" + path.string() + "': bad offset '" + offset->second + "' for '" +
+                           key + "'");
+        }
+        pieces_[key].push_back(piece);
       }
     }
   }
 
   bool empty() const { return pieces_.empty(); }
 
-  // Rows [first, first + rows) of `key` into target's first `rows` rows.
-  void read(const std::string& key, int64_t first, int64_t rows, at::Tensor target) const {
+  // Rows [first, first + rows) and (for a tensor of 2 or more dimensions) columns
+  // [col_first, col_first + target.size(1)) of `key` into target's first `rows` rows, from
+  // whichever pieces cover them.
+  void read(const std::string& key, int64_t first, int64_t rows, int64_t col_first,
+            at::Tensor target) const {
     const auto it = pieces_.find(key);
     if (it == pieces_.end()) throw InputError("optimizer state has no '" + key + "'");
+    const bool columns = target.dim() >= 2;
+    const int64_t cols = columns ? target.size(1) : 1;
     int64_t covered = 0;
     for (const auto& piece : it->second) {
       const int64_t lo = std::max(first, piece.offset);
       const int64_t hi = std::min(first + rows, piece.offset + piece.rows);
-      if (lo >= hi) continue;
-      const at::Tensor source = piece.file->read_rows(key, lo - piece.offset, hi - lo);
-      target.narrow(0, lo - first, hi - lo)
-          .copy_(source.view(target.narrow(0, lo - first, hi - lo).sizes()));
-      covered += hi - lo;
+      const int64_t clo = columns ? std::max(col_first, piece.col_offset) : 0;
+      const int64_t chi = columns ? std::min(col_first + cols, piece.col_offset + piece.cols) : 1;
+      if (lo >= hi || clo >= chi) continue;
+      at::Tensor source = piece.file->read_rows(key, lo - piece.offset, hi - lo);
+      at::Tensor into = target.narrow(0, lo - first, hi - lo);
+      if (columns) {
+        source = source.narrow(1, clo - piece.col_offset, chi - clo);
+        into = into.narrow(1, clo - col_first, chi - clo);
+      }
+      into.copy_(source.reshape(into.sizes()));
+      covered += (hi - lo) * (chi - clo);
     }
-    if (covered != rows) {
+    if (covered != rows * cols) {
       throw InputError("optimizer state for '" + key + "' covers " + std::to_string(covered) +
-                       " of the " + std::to_string(rows) + " rows needed");
+                       " of the " + std::to_string(rows * cols) + " elements needed");
     }
   }
 
  private:
   struct Piece {
     const hf::SafetensorsFile* file;
-    int64_t offset;
+    int64_t offset;  // first row
     int64_t rows;
+    int64_t col_offset;
+    int64_t cols;
   };
   std::vector<std::unique_ptr<hf::SafetensorsFile>> files_;
   std::map<std::string, std::vector<Piece>> pieces_;
@@ -197,7 +250,7 @@ void prune(const fs::path& dir, const std::string& current, int keep) {
 
 void save_training_checkpoint(const fs::path& run_dir, hf::CausalLM& model,
                               torch::optim::Optimizer& optimizer, const TrainerState& state,
-                              int keep) {
+                              int keep, const ParallelState& parallel) {
   const fs::path dir = run_dir / "checkpoints";
   const std::string name = step_name(state.step);
   const fs::path tmp = dir / (".tmp-" + name);
@@ -207,13 +260,14 @@ void save_training_checkpoint(const fs::path& run_dir, hf::CausalLM& model,
   }
   barrier();
   hf::save_pretrained(model, tmp);  // collective; rank 0 writes
-  write_optimizer_rows(tmp / "optimizer" / rank_file(rank(), size()), model, optimizer);
+  write_optimizer_rows(tmp / "optimizer" / rank_file(rank(), size()), model, optimizer, parallel);
   if (rank() == 0) {
     const nlohmann::json trainer = {
         {"format", "mdist.trainer_state.v1"},
         {"step", state.step},
         {"sequences_seen", state.sequences_seen},
         {"world_size", size()},
+        {"tensor_parallel", std::max(1, parallel.tensor_parallel_group.world_size())},
         {"run", state.run},
         {"cpu_rng_state", cpu_rng_state()},
     };
@@ -265,7 +319,8 @@ TrainerState read_trainer_state(const fs::path& checkpoint) {
 }
 
 void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
-                              torch::optim::Optimizer& optimizer, const TrainerState& state) {
+                              torch::optim::Optimizer& optimizer, const TrainerState& state,
+                              const ParallelState& parallel) {
   const OptimizerRows rows(checkpoint / "optimizer");
   if (rows.empty() && state.step > 0) {
     throw InputError("checkpoint '" + checkpoint.string() + "' has no optimizer state");
@@ -277,9 +332,11 @@ void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
     auto exp_avg = torch::zeros_like(place.param, at::MemoryFormat::Contiguous);
     auto exp_avg_sq = torch::zeros_like(place.param, at::MemoryFormat::Contiguous);
     if (place.rows > 0) {
+      const Block block = block_of(name, place, model, parallel);
       const auto target = [&](at::Tensor& t) { return t.dim() == 0 ? t.view({1}) : t; };
-      rows.read(name + "/exp_avg", place.row_offset, place.rows, target(exp_avg));
-      rows.read(name + "/exp_avg_sq", place.row_offset, place.rows, target(exp_avg_sq));
+      rows.read(name + "/exp_avg", block.row_offset, place.rows, block.col_offset, target(exp_avg));
+      rows.read(name + "/exp_avg_sq", block.row_offset, place.rows, block.col_offset,
+                target(exp_avg_sq));
     }
     fresh->exp_avg(exp_avg);
     fresh->exp_avg_sq(exp_avg_sq);

@@ -2,13 +2,15 @@
 // Training checkpoints of `mdist train`, in RUN/checkpoints/step-NNNNNNNN/:
 //   config.json, model.safetensors (or shards + index)   the Hugging Face layout, loadable by
 //                                                        transformers and by --model
-//   optimizer/rank-RRRRR-of-WWWWW.safetensors            each rank's rows of AdamW's moments
+//   optimizer/rank-RRRRR-of-WWWWW.safetensors            each rank's block of AdamW's moments
 //   trainer_state.json                                   step, data position, RNG, run flags
 // and RUN/checkpoints/latest naming the newest. A checkpoint is written into a hidden temporary
 // directory and renamed into place only once every rank has finished its part, so a crash
 // mid-save leaves the previous checkpoint intact and `latest` never names a partial one.
-// The optimizer state is stored by rows of the full parameters, so a checkpoint written by W
-// ranks resumes on any number of ranks. The directory must be on a file system every rank sees.
+// The optimizer state is stored by blocks of the full (HF-layout) parameters: rows, and for a
+// tensor-parallel row-parallel weight also columns, each written by the one rank that holds
+// the first copy; so a checkpoint written on one (dp, tp) layout resumes on any other. The
+// directory must be on a file system every rank sees.
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -16,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
 
 namespace torch::optim {
@@ -35,7 +38,7 @@ struct TrainerState {
 // of later steps, left by an earlier run in the same directory).
 void save_training_checkpoint(const std::filesystem::path& run_dir, hf::CausalLM& model,
                               torch::optim::Optimizer& optimizer, const TrainerState& state,
-                              int keep);
+                              int keep, const ParallelState& parallel = ParallelState());
 
 // The newest complete checkpoint of a run, if any.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
@@ -47,6 +50,7 @@ TrainerState read_trainer_state(const std::filesystem::path& checkpoint);
 // weights are not read here: a resumed model is built from the checkpoint directory itself
 // (build_wrapped_model). The optimizer must hold the model's parameters.
 void load_training_checkpoint(const std::filesystem::path& checkpoint, hf::CausalLM& model,
-                              torch::optim::Optimizer& optimizer, const TrainerState& state);
+                              torch::optim::Optimizer& optimizer, const TrainerState& state,
+                              const ParallelState& parallel = ParallelState());
 
 }  // namespace mdist::cli

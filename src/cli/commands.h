@@ -19,6 +19,7 @@ struct ModelDataOptions {
   std::string split = "auto";  // auto: train/eval split of the embedded corpus, else "all"
   std::int64_t seq_len = 128;
   std::uint64_t seed = 1234;
+  int tensor_parallel = 1;  // --tp: ranks per tensor-parallel group (dp = world / tp)
 };
 
 struct TrainOptions {
@@ -59,13 +60,18 @@ struct GenerateOptions {
   int top_k = 40;
   bool greedy = false;
   std::uint64_t seed = 1234;
+  int tensor_parallel = 1;
   std::filesystem::path default_run = "runs/default";
+};
+
+struct InfoOptions {
+  int tensor_parallel = 1;
 };
 
 int run_train(const TrainOptions& options);
 int run_eval(const EvalOptions& options);
 int run_calibrate(const CalibrateOptions& options);
 int run_generate(const GenerateOptions& options);
-int run_info();
+int run_info(const InfoOptions& options);
 
 }  // namespace mdist::cli

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <iostream>
 
+#include "mdist/hf/tensor_parallel.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 #include "src/cli/commands.h"
@@ -23,13 +24,16 @@ int run_generate(const GenerateOptions& o) {
     }
     if (o.top_k < 0) throw InputError("--top-k must not be negative (0: no limit)");
     if (o.prompt.empty()) throw InputError("--prompt must not be empty");
+    check_tensor_parallel_size(o.tensor_parallel);
     choice = model_for_inference(o.model_dir, o.default_run);
+    check_tensor_parallel(o.tensor_parallel, choice.config);
     if (choice.config.vocab_size < 256) {
       throw InputError("generate needs a byte-level model (vocab_size >= 256); this one has " +
                        std::to_string(choice.config.vocab_size));
     }
   });
-  hf::CausalLM model = build_wrapped_model(choice, o.seed);
+  const ParallelState parallel = make_layout(o.tensor_parallel);
+  hf::CausalLM model = build_wrapped_model(choice, o.seed, parallel);
   model->eval();
   const torch::NoGradGuard no_grad;
   auto generator = at::make_generator<at::CPUGeneratorImpl>(o.seed);
@@ -51,8 +55,10 @@ int run_generate(const GenerateOptions& o) {
             .unsqueeze(0)
             .to(device);
     // Sampling on the CPU with a seeded CPU generator: the same bytes on any device.
-    at::Tensor logits =
-        model->forward(context).select(1, -1).squeeze(0).to(torch::kCPU, torch::kFloat);
+    // Split over tensor-parallel ranks, only the last position's logits are gathered.
+    at::Tensor logits = hf::full_logits(model, model->forward(context).select(1, -1))
+                            .squeeze(0)
+                            .to(torch::kCPU, torch::kFloat);
     int64_t next = 0;
     if (o.greedy) {
       next = logits.argmax().item<int64_t>();

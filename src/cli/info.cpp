@@ -18,7 +18,7 @@
 
 namespace mdist::cli {
 
-int run_info() {
+int run_info(const InfoOptions& o) {
   const Session session;
   configure_threads();
   char host[256] = {};
@@ -26,8 +26,11 @@ int run_info() {
   std::ostringstream me;
   me << "rank " << rank() << ": local rank " << local_rank() << " of " << local_size() << " on "
      << host << ", pid " << getpid() << ", " << torch::get_num_threads() << " thread(s)";
+  agree_on_inputs([&] { check_tensor_parallel_size(o.tensor_parallel); });
   const auto ranks = allgather(me.str());
-  const ParallelState parallel;
+  const ParallelState parallel = make_layout(o.tensor_parallel);
+  const ParallelLayout layout =
+      parallel_layout(std::max(1, size()), {.tensor_parallel = o.tensor_parallel});
   if (rank() != 0) return 0;
   const bool cuda = torch::cuda::is_available();
   std::cout << "mdist " << MDIST_VERSION_STRING << "\n"
@@ -51,6 +54,18 @@ int run_info() {
   }
   for (const auto& line : ranks) std::cout << "  " << line << "\n";
   std::cout << parallel << std::endl;
+  const auto groups = [](const std::vector<std::vector<int>>& list) {
+    std::ostringstream out;
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      out << (i ? " " : "") << "[";
+      for (std::size_t j = 0; j < list[i].size(); ++j) out << (j ? "," : "") << list[i][j];
+      out << "]";
+    }
+    return out.str();
+  };
+  std::cout << "layout: " << describe_layout(parallel) << "\n"
+            << "  tensor-parallel groups: " << groups(layout.tensor_parallel_groups) << "\n"
+            << "  data-parallel groups: " << groups(layout.data_parallel_groups) << std::endl;
   return 0;
 }
 

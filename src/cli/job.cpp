@@ -17,6 +17,7 @@
 #include "mdist/hf/fsdp2_wrap.h"
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
+#include "mdist/hf/tensor_parallel.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 #include "src/cli/checkpoint.h"
@@ -109,17 +110,53 @@ void init_weights(hf::CausalLM& model, std::uint64_t seed, double std) {
 
 }  // namespace
 
-hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed) {
+hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
+                                 const ParallelState& parallel) {
+  const bool split = parallel.tensor_parallel_group.world_size() > 1;
   // A checkpoint is loaded without ever holding the whole model: built on the meta device,
-  // wrapped, then each rank reads only its rows from the memory-mapped safetensors.
-  if (choice.dir) return hf::load_pretrained_fsdp2(*choice.dir);
+  // split and wrapped, then each rank reads only its rows from the memory-mapped safetensors.
+  if (choice.dir) {
+    hf::Fsdp2LoadOptions options;
+    if (split) options.parallel = parallel;
+    return hf::load_pretrained_fsdp2(*choice.dir, options);
+  }
   hf::CausalLM model(choice.config);
   const auto config = nlohmann::json::parse(choice.config.source_json, nullptr, false);
   const double std = config.is_object() ? config.value("initializer_range", 0.02) : 0.02;
-  init_weights(model, seed, std);  // on the CPU: the same numbers whatever the device
+  // On the CPU and whole: the same numbers whatever the device and the layout. (The seeded
+  // default is small; a large model comes from a checkpoint, read by slice.)
+  init_weights(model, seed, std);
+  if (split) hf::parallelize(model, parallel);
   if (const auto device = compute_device(); !device.is_cpu()) model->to(device);
-  fsdp2_wrap(*model);
+  fsdp2_wrap(*model, true, std::nullopt, false, parallel.data_parallel_group.group());
   return model;
+}
+
+void check_tensor_parallel_size(int tp) {
+  if (tp < 1) throw InputError("--tp must be at least 1, got " + std::to_string(tp));
+  if (size() % tp != 0) {
+    throw InputError("--tp " + std::to_string(tp) + " does not divide the world size " +
+                     std::to_string(size()));
+  }
+}
+
+void check_tensor_parallel(int tp, const hf::LlamaConfig& config) {
+  check_tensor_parallel_size(tp);
+  try {
+    hf::check_tensor_parallel_split(config, tp);
+  } catch (const Error& error) {
+    std::string message = error.what();
+    if (message.rfind("mdist: ", 0) == 0) message = message.substr(7);
+    throw InputError("--tp " + std::to_string(tp) + ": " + message);
+  }
+}
+
+ParallelState make_layout(int tp) { return make_parallel_state({.tensor_parallel = tp}); }
+
+std::string describe_layout(const ParallelState& parallel) {
+  const int tp = std::max(1, parallel.tensor_parallel_group.world_size());
+  return std::to_string(size()) + " rank(s) as dp " + std::to_string(size() / tp) + " x tp " +
+         std::to_string(tp);
 }
 
 TokenStream load_data(const ModelDataOptions& options, DataSplit default_split,

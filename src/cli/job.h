@@ -64,7 +64,19 @@ ModelChoice model_for_inference(const std::optional<std::filesystem::path>& dir,
 // initialisation (normal(0, initializer_range) for Linear and Embedding weights,
 // ones for norms, zeros for biases), identical on every rank for a given seed whatever the world
 // size.
-hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed);
+// With a tensor-parallel group in `parallel`, the model is split over it first
+// (hf::parallelize; a checkpoint is read by slice) and sharded over its data-parallel group.
+hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
+                                 const ParallelState& parallel = ParallelState());
+
+// Checks --tp against the world and the model (InputError naming the sizes); call inside
+// agree_on_inputs.
+void check_tensor_parallel_size(int tensor_parallel);  // >= 1 and dividing the world
+void check_tensor_parallel(int tensor_parallel, const hf::LlamaConfig& config);
+// The job's ParallelState for --tp (collective; after the inputs are agreed on).
+ParallelState make_layout(int tensor_parallel);
+// "4 ranks as dp 2 x tp 2".
+std::string describe_layout(const ParallelState& parallel);
 
 // The token stream of a command (embedded corpus or a file), checked against the vocabulary.
 // `default_split` applies to the embedded corpus when options.split is "auto".

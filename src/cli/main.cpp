@@ -20,6 +20,14 @@ Run on several ranks through the launcher, e.g.
 Every subcommand runs with no arguments on the embedded default: a small Llama-style model
 (data/default/config.json) and Shakespeare's Macbeth as bytes (data/corpus/macbeth.txt).)";
 
+constexpr const char* kTpHelp =
+    "Tensor-parallel size: the model is split over groups of this many consecutive ranks "
+    "(Megatron style) and the data over world / tp data-parallel ranks";
+
+void add_tensor_parallel(CLI::App& app, int& tp) {
+  app.add_option("--tp", tp, kTpHelp)->capture_default_str();
+}
+
 void add_model_data(CLI::App& app, ModelDataOptions& io, bool with_model = true) {
   if (with_model) {
     app.add_option("--model", io.model_dir,
@@ -40,6 +48,7 @@ void add_model_data(CLI::App& app, ModelDataOptions& io, bool with_model = true)
   app.add_option("--seq-len", io.seq_len, "Tokens per sequence")->capture_default_str();
   app.add_option("--seed", io.seed, "Seed of the initialisation and the data order")
       ->capture_default_str();
+  add_tensor_parallel(app, io.tensor_parallel);
 }
 
 int report(const char* command, const std::exception& error, int code, bool print) {
@@ -137,10 +146,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   generate_cmd->add_flag("--greedy", generate.greedy, "Always take the likeliest byte");
   generate_cmd->add_option("--seed", generate.seed, "Sampling seed")->capture_default_str();
+  add_tensor_parallel(*generate_cmd, generate.tensor_parallel);
   generate_cmd->footer(
       "\nWithout --model: the latest checkpoint of runs/default, else the seeded default model.");
 
-  app.add_subcommand("info", "Versions, backends, devices, and this job's ranks and groups");
+  InfoOptions info;
+  auto* info_cmd =
+      app.add_subcommand("info", "Versions, backends, devices, and this job's ranks and groups");
+  add_tensor_parallel(*info_cmd, info.tensor_parallel);
 
   try {
     app.parse(argc, argv);
@@ -154,7 +167,7 @@ int main(int argc, char** argv) {
     if (command == "eval") return run_eval(eval);
     if (command == "calibrate") return run_calibrate(calibrate);
     if (command == "generate") return run_generate(generate);
-    return run_info();
+    return run_info(info);
   } catch (const AgreedInputError& error) {
     return report(command.c_str(), error, 2, error.reporter());
   } catch (const InputError& error) {

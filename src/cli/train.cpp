@@ -9,6 +9,7 @@
 
 #include "mdist/fsdp/state_dict.h"
 #include "mdist/hf/safetensors.h"
+#include "mdist/hf/tensor_parallel.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 #include "src/cli/checkpoint.h"
@@ -35,7 +36,8 @@ nlohmann::json run_flags(const TrainOptions& o, const TokenStream& data, const M
           {"warmup", o.warmup},
           {"weight_decay", o.weight_decay},
           {"grad_clip", o.grad_clip},
-          {"steps", o.steps}};
+          {"steps", o.steps},
+          {"tensor_parallel", o.io.tensor_parallel}};  // informative: a resume may change it
 }
 
 void check_resume_flags(const nlohmann::json& saved, const nlohmann::json& now,
@@ -108,6 +110,8 @@ int run_train(const TrainOptions& o) {
   const Session session;
   configure_threads();
   const int world = size();
+  const int tp = o.io.tensor_parallel;
+  const int dp = tp >= 1 && world % tp == 0 ? world / tp : world;
   ModelChoice model_choice;
   TokenStream data;
   std::optional<fs::path> resume_from;
@@ -115,9 +119,10 @@ int run_train(const TrainOptions& o) {
   agree_on_inputs([&] {
     if (o.steps < 1) throw InputError("--steps must be at least 1");
     if (o.global_batch < 1) throw InputError("--global-batch must be at least 1");
-    if (o.global_batch % world != 0) {
+    check_tensor_parallel_size(tp);
+    if (o.global_batch % dp != 0) {
       throw InputError("--global-batch " + std::to_string(o.global_batch) +
-                       " is not divisible by the data-parallel size " + std::to_string(world));
+                       " is not divisible by the data-parallel size " + std::to_string(dp));
     }
     if (!(o.lr > 0)) throw InputError("--lr must be positive");
     if (o.warmup < 0) throw InputError("--warmup must not be negative");
@@ -133,6 +138,7 @@ int run_train(const TrainOptions& o) {
     model_choice = resume_from      ? model_from_dir(*resume_from)
                    : o.io.model_dir ? model_from_dir(*o.io.model_dir)
                                     : default_model();
+    check_tensor_parallel(tp, model_choice.config);
     data = load_checked_data(o.io, DataSplit::train, model_choice, "train");
     if (resumed) {
       check_resume_flags(resumed->run, run_flags(o, data, model_choice), *resume_from);
@@ -146,7 +152,9 @@ int run_train(const TrainOptions& o) {
 
   const Windows windows(data, o.io.seq_len, "train");
   WindowOrder order(windows.count(), o.io.seed);
-  hf::CausalLM model = build_wrapped_model(model_choice, o.io.seed);
+  const ParallelState parallel = make_layout(tp);
+  const int dp_rank = parallel.data_parallel_group.rank();
+  hf::CausalLM model = build_wrapped_model(model_choice, o.io.seed, parallel);
   model->train();
   auto optimizer = make_optimizer(model, o);
   const LrSchedule schedule{o.lr, o.warmup, o.steps, o.min_lr_ratio};
@@ -157,7 +165,7 @@ int run_train(const TrainOptions& o) {
   if (rank() == 0) fs::create_directories(o.out);
   std::vector<std::string> earlier_metrics;
   if (resumed) {
-    load_training_checkpoint(*resume_from, model, *optimizer, *resumed);
+    load_training_checkpoint(*resume_from, model, *optimizer, *resumed, parallel);
     state.step = resumed->step;
     state.sequences_seen = resumed->sequences_seen;
     if (rank() == 0) earlier_metrics = metrics_up_to(metrics_path, state.step);
@@ -170,15 +178,15 @@ int run_train(const TrainOptions& o) {
     metrics.open(metrics_path, std::ios::app);
   }
 
-  say("mdist train: " + std::to_string(world) + " rank(s), model " + model_choice.description);
+  say("mdist train: " + describe_layout(parallel) + ", model " + model_choice.description);
   say("mdist train: data " + data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens; global batch " +
-      std::to_string(o.global_batch) + " (" + std::to_string(o.global_batch / world) +
-      " per rank), steps " + std::to_string(state.step + 1) + ".." + std::to_string(o.steps) +
-      (resumed ? " (resumed from " + resume_from->string() + ")" : ""));
+      std::to_string(o.global_batch) + " (" + std::to_string(o.global_batch / dp) +
+      " per data-parallel rank), steps " + std::to_string(state.step + 1) + ".." +
+      std::to_string(o.steps) + (resumed ? " (resumed from " + resume_from->string() + ")" : ""));
 
   Progress progress(stdout, o.log_every);
-  const int64_t local_batch = o.global_batch / world;
+  const int64_t local_batch = o.global_batch / dp;
   const int64_t T = o.io.seq_len;
   const auto started = std::chrono::steady_clock::now();
   int steps_here = 0;
@@ -187,23 +195,26 @@ int run_train(const TrainOptions& o) {
     // This rank's slice of the step's global batch.
     std::vector<int64_t> which;
     for (int64_t b = 0; b < local_batch; ++b) {
-      which.push_back(order.window_of(state.sequences_seen + rank() * local_batch + b));
+      which.push_back(order.window_of(state.sequences_seen + dp_rank * local_batch + b));
     }
     const at::Tensor ids = batch_of(windows, which).to(compute_device());
     const double lr = schedule.at(step);
     set_lr(*optimizer, lr);
     optimizer->zero_grad();
     const at::Tensor logits = model->forward(ids);
-    const at::Tensor loss = hf::causal_lm_loss(logits, ids);
+    // With tensor parallelism the logits are this rank's vocabulary columns; the loss is the
+    // whole vocabulary's (vocab-parallel cross entropy), the same on every rank of the group.
+    const at::Tensor loss = hf::causal_lm_loss(model, logits, ids);
     loss.backward();
-    const double grad_norm = clip_grad_norm_(*model, o.grad_clip);
+    const double grad_norm = hf::clip_grad_norm_(model, o.grad_clip);
     optimizer->step();
     state.step = step;
     state.sequences_seen += o.global_batch;
 
     // One small all-gather per step for the log: each rank's (loss, peak RSS). Every rank's
     // batch has the same number of tokens, so the mean of the ranks' means is the global
-    // batch's mean loss.
+    // batch's mean loss (the tensor-parallel ranks of a data-parallel rank repeat its loss,
+    // each as many times).
     const auto reports = allgather(std::pair{loss.item<double>(), peak_rss_mib()});
     double mean_loss = 0;
     std::vector<double> peaks;
@@ -242,7 +253,7 @@ int run_train(const TrainOptions& o) {
                   " (lower --lr?)");
     }
     if ((o.save_every > 0 && step % o.save_every == 0) || step == o.steps) {
-      save_training_checkpoint(o.out, model, *optimizer, state, o.keep);
+      save_training_checkpoint(o.out, model, *optimizer, state, o.keep, parallel);
     }
   }
   progress.finish();

@@ -333,6 +333,16 @@ std::shared_ptr<const TensorParallelPlan> parallelize(CausalLM& model, const Par
   return plan;
 }
 
+at::Tensor causal_lm_loss(const CausalLM& model, const at::Tensor& logits,
+                          const at::Tensor& labels) {
+  if (model->tensor_parallel) return model->tensor_parallel->loss(logits, labels);
+  return causal_lm_loss(logits, labels);
+}
+
+at::Tensor full_logits(const CausalLM& model, const at::Tensor& logits) {
+  return model->tensor_parallel ? model->tensor_parallel->full_logits(logits) : logits;
+}
+
 double clip_grad_norm_(CausalLM& model, double max_norm, double norm_type) {
   const auto& plan = model->tensor_parallel;
   if (!plan || plan->size() == 1) return mdist::clip_grad_norm_(*model, max_norm, norm_type);

@@ -40,56 +40,76 @@ struct VocabParallelCrossEntropyBackward : torch::autograd::Node {
   std::string name() const override { return "mdist::tp::VocabParallelCrossEntropyBackward"; }
 };
 
-}  // namespace
+// The forward of both entry points: per-token losses and what the backward needs.
+struct Forward {
+  at::Tensor per_token;     // [N] fp32, 0 where ignored
+  at::Tensor exp;           // [N, Vl] exp(z - max)
+  at::Tensor sum_exp;       // [N]
+  at::Tensor local_target;  // [N]
+  at::Tensor on_rank;       // [N] bool
+  at::Tensor valid;         // [N] bool
+};
 
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
-                                        const Group& group, int64_t vocab_start,
-                                        int64_t ignore_index) {
+Forward forward(const at::Tensor& logits, const at::Tensor& labels, const Group& group,
+                int64_t vocab_start, int64_t ignore_index, const char* op) {
   if (logits.dim() != 2 || labels.dim() != 1 || logits.size(0) != labels.size(0)) {
-    throw Error("mdist::tp::vocab_parallel_cross_entropy: logits " + shape_of(logits) +
-                " and labels " + shape_of(labels) + " are not [N, V / T] and [N]");
+    throw Error(std::string("mdist::tp::") + op + ": logits " + shape_of(logits) + " and labels " +
+                shape_of(labels) + " are not [N, V / T] and [N]");
   }
+  const at::NoGradGuard no_grad;
   const int64_t local_vocab = logits.size(1);
-  at::Tensor z;
-  {
-    const at::NoGradGuard no_grad;
-    z = logits.detach().to(at::kFloat);
-  }
+  const at::Tensor z = logits.detach().to(at::kFloat);
   const at::Tensor target = labels.to(at::kLong).to(logits.device());
-  const at::Tensor valid = target != ignore_index;
-  const at::Tensor on_rank =
-      valid.logical_and(target >= vocab_start).logical_and(target < vocab_start + local_vocab);
+  Forward f;
+  f.valid = target != ignore_index;
+  f.on_rank =
+      f.valid.logical_and(target >= vocab_start).logical_and(target < vocab_start + local_vocab);
   const int64_t vocab = local_vocab * size(group);
-  if (valid.logical_and(target.lt(0).logical_or(target.ge(vocab))).any().item<bool>()) {
-    throw Error("mdist::tp::vocab_parallel_cross_entropy: a label is outside the vocabulary [0, " +
+  if (f.valid.logical_and(target.lt(0).logical_or(target.ge(vocab))).any().item<bool>()) {
+    throw Error(std::string("mdist::tp::") + op + ": a label is outside the vocabulary [0, " +
                 std::to_string(vocab) + ") and is not the ignore index " +
                 std::to_string(ignore_index));
   }
-  const at::Tensor local_target = at::where(on_rank, target - vocab_start, at::zeros_like(target));
-
+  f.local_target = at::where(f.on_rank, target - vocab_start, at::zeros_like(target));
   // The row maxima over the whole vocabulary, for a stable exponent.
   at::Tensor max = std::get<0>(z.max(1)).contiguous();
   all_reduce_(max, group, "max");
   const at::Tensor shifted = z - max.unsqueeze(1);
-  const at::Tensor exp = shifted.exp();
+  f.exp = shifted.exp();
   // Sum of exponentials and the target's shifted logit (on the rank that has it), in one
   // all-reduce.
-  const at::Tensor picked = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1);
+  const at::Tensor picked = shifted.gather(1, f.local_target.unsqueeze(1)).squeeze(1);
   at::Tensor packed =
-      at::stack({exp.sum(1), at::where(on_rank, picked, at::zeros_like(picked))}).contiguous();
+      at::stack({f.exp.sum(1), at::where(f.on_rank, picked, at::zeros_like(picked))}).contiguous();
   all_reduce_(packed, group, "sum");
-  const at::Tensor sum_exp = packed[0];
-  const at::Tensor per_token = sum_exp.log() - packed[1];  // -log softmax[target]
-  const at::Tensor count = valid.sum().to(at::kFloat);
-  const at::Tensor weight = valid.to(at::kFloat) / count;
-  // Every label ignored: weight is 0 / 0 and the loss NaN, as torch's mean reduction gives.
-  at::Tensor loss = (per_token * weight).sum();
+  f.sum_exp = packed[0];
+  // -log softmax[target]
+  f.per_token = at::where(f.valid, f.sum_exp.log() - packed[1], at::zeros_like(picked));
+  return f;
+}
 
+}  // namespace
+
+at::Tensor vocab_parallel_token_losses(const at::Tensor& logits, const at::Tensor& labels,
+                                       const Group& group, int64_t vocab_start,
+                                       int64_t ignore_index) {
+  return forward(logits, labels, group, vocab_start, ignore_index, "vocab_parallel_token_losses")
+      .per_token;
+}
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
+                                        const Group& group, int64_t vocab_start,
+                                        int64_t ignore_index) {
+  const Forward f =
+      forward(logits, labels, group, vocab_start, ignore_index, "vocab_parallel_cross_entropy");
+  // Every label ignored: weight is 0 / 0 and the loss NaN, as torch's mean reduction gives.
+  const at::Tensor weight = f.valid.to(at::kFloat) / f.valid.sum().to(at::kFloat);
+  at::Tensor loss = (f.per_token * weight).sum();
   if (at::GradMode::is_enabled() && logits.requires_grad()) {
     auto node = c10::make_intrusive<VocabParallelCrossEntropyBackward>();
-    node->softmax = exp / sum_exp.unsqueeze(1);
-    node->local_target = local_target;
-    node->on_rank = on_rank;
+    node->softmax = f.exp / f.sum_exp.unsqueeze(1);
+    node->local_target = f.local_target;
+    node->on_rank = f.on_rank;
     node->weight = weight;
     node->dtype = logits.scalar_type();
     node->set_next_edges(torch::autograd::collect_next_edges(logits));

@@ -96,6 +96,13 @@ void check_tensor_parallel_split(const LlamaConfig& config, int tensor_parallel)
 // The model may be on the meta device (its parameters get their local shapes).
 std::shared_ptr<const TensorParallelPlan> parallelize(CausalLM& model, const ParallelState& state);
 
+// The loss of `model`'s logits: hf::causal_lm_loss, or the plan's vocab-parallel loss when the
+// model is split.
+at::Tensor causal_lm_loss(const CausalLM& model, const at::Tensor& logits,
+                          const at::Tensor& labels);
+// The logits over the whole vocabulary (gathered when the model is split).
+at::Tensor full_logits(const CausalLM& model, const at::Tensor& logits);
+
 // clip_grad_norm_ of the model, split by parallelize or not, wrapped by fsdp2_wrap or not: the
 // global norm counts each distinct value once (split parts summed over the tensor-parallel
 // and data-parallel ranks, replicated ones once). Wrapped, the data-parallel x

@@ -20,6 +20,12 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
                                         const Group& group, int64_t vocab_start,
                                         int64_t ignore_index = -100);
 
+// The per-label losses [N] of the same (0 where a label is ignored), without autograd: for
+// sums over many batches (perplexity) that must not depend on how they were grouped.
+at::Tensor vocab_parallel_token_losses(const at::Tensor& logits, const at::Tensor& labels,
+                                       const Group& group, int64_t vocab_start,
+                                       int64_t ignore_index = -100);
+
 // Hugging Face's causal-LM loss (logits at t against labels at t + 1, -100 ignored) on
 // vocabulary-split logits [B, T, V / T]: hf::causal_lm_loss of the gathered logits.
 at::Tensor vocab_parallel_causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels,
