@@ -117,7 +117,7 @@ hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
   // split and wrapped, then each rank reads only its rows from the memory-mapped safetensors.
   if (choice.dir) {
     hf::Fsdp2LoadOptions options;
-    if (split) options.parallel = parallel;
+    options.parallel = parallel;
     return hf::load_pretrained_fsdp2(*choice.dir, options);
   }
   hf::CausalLM model(choice.config);

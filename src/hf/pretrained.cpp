@@ -104,12 +104,11 @@ CausalLM load_pretrained_fsdp2(const std::filesystem::path& dir, const Fsdp2Load
   std::exception_ptr failure;
   try {
     CausalLM built(LlamaConfig::from_file((dir / "config.json").string()), c10::kMeta);
-    Group data_parallel = Group::world();
-    if (options.parallel) {
-      parallelize(built, *options.parallel);
-      data_parallel = options.parallel->data_parallel_group.group();
+    if (options.parallel.tensor_parallel_group.world_size() > 1) {
+      parallelize(built, options.parallel);
     }
-    fsdp2_wrap(*built, options.shard_root, options.mp_policy, options.cpu_offload, data_parallel);
+    fsdp2_wrap(*built, options.shard_root, options.mp_policy, options.cpu_offload,
+               options.parallel.data_parallel_group.group());
     load_checkpoint_sharded(*built, dir);
     model = std::move(built);
   } catch (...) {

@@ -6,6 +6,8 @@
 // run on every rank.
 #include <gtest/gtest.h>
 
+#include <c10/core/Allocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -304,6 +306,53 @@ TEST(TpLlama, SplitsThatCannotWorkAreOneErrorNamingTheSizes) {
   mdist::fsdp2_wrap(*wrapped);
   const auto state = mdist::make_parallel_state({});
   EXPECT_THROW(mdist::hf::parallelize(wrapped, state), mdist::Error);
+}
+
+// The largest single CPU allocation while it is installed (c10's memory-profiling hook, which
+// the CPU allocator calls for every allocation; it follows the thread into autograd).
+struct LargestAllocation : c10::MemoryReportingInfoBase {
+  int64_t largest = 0;
+  void reportMemoryUsage(void*, int64_t bytes, size_t, size_t, c10::Device) override {
+    largest = std::max(largest, bytes);
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+};
+
+// A split model never holds the full logits, the full embedding or the full head: with a large
+// vocabulary those are the biggest tensors of the unsplit step, and no allocation of the split
+// forward, loss and backward comes near them.
+TEST(TpLlama, NoRankAllocatesTheFullLogitsOrAFullVocabularyLayer) {
+  for (const int t : tp_sizes()) {
+    if (t != mdist::size()) continue;  // pure tensor parallelism over the world
+    LlamaConfig config = small(4, 4, 1024 * t);
+    if (config.num_attention_heads % t != 0) continue;
+    const int64_t batch = 2, time = 16;
+    const int64_t full_logits = batch * time * config.vocab_size * 4;
+    const int64_t full_table = config.vocab_size * config.hidden_size * 4;
+    torch::manual_seed(8);
+    const at::Tensor ids = torch::randint(0, config.vocab_size, {batch, time});
+    const auto state = mdist::make_parallel_state({.tensor_parallel = t});
+    CausalLM model = seeded(config);
+    mdist::hf::parallelize(model, state);
+    const auto probe = std::make_shared<LargestAllocation>();
+    {
+      const c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, probe);
+      mdist::hf::causal_lm_loss(model, model->forward(ids), ids).backward();
+    }
+    // Each rank's parts are 1 / t of them; allow for the other small tensors of the step.
+    EXPECT_LE(probe->largest, std::max(full_logits, full_table) / t + (64 << 10))
+        << "tp=" << t << ": an allocation of " << probe->largest << " bytes (full logits "
+        << full_logits << ", full embedding " << full_table << ")";
+    EXPECT_GT(probe->largest, 0) << "the allocation probe saw nothing";
+    // The unsplit step does allocate them (the probe works).
+    CausalLM whole = seeded(config);
+    const auto whole_probe = std::make_shared<LargestAllocation>();
+    {
+      const c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, whole_probe);
+      mdist::hf::causal_lm_loss(whole->forward(ids), ids).backward();
+    }
+    EXPECT_GE(whole_probe->largest, std::min(full_logits, full_table));
+  }
 }
 
 // ---- TP x FSDP2 ----

@@ -35,9 +35,10 @@ struct Fsdp2LoadOptions {
   bool shard_root = true;
   std::optional<MixedPrecisionPolicy> mp_policy = std::nullopt;
   bool cpu_offload = false;
-  // With a tensor-parallel group in use: hf::parallelize over it first, then fsdp2_wrap over
-  // its data-parallel group; each rank reads only its tensor-parallel slice's own rows.
-  std::optional<ParallelState> parallel = std::nullopt;
+  // The layout (default: data parallel over the world). fsdp2_wrap shards over its
+  // data-parallel group; with a tensor-parallel group of more than one rank, hf::parallelize
+  // splits the model over it first and each rank reads only its slice's own rows.
+  ParallelState parallel = ParallelState();
 };
 
 // Builds the model from dir/config.json on the meta device, fsdp2_wrap's it, then each rank
