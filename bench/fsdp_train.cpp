@@ -17,6 +17,7 @@
 #include "bench/json_line.h"
 #include "bench/llama_stack.h"
 #include "bench/peak_rss.h"
+#include "bench/step_timing.h"
 #include "bench/unshard_watch.h"
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/mdist.h"
@@ -53,15 +54,8 @@ struct StepTimes {
   std::vector<double> step, forward, backward, optimizer;
 };
 
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[(values.size() - 1) / 2];
-}
-
-double seconds(std::chrono::steady_clock::time_point from,
-               std::chrono::steady_clock::time_point to) {
-  return std::chrono::duration<double>(to - from).count();
-}
+using mdist::bench::median;
+using mdist::bench::seconds;
 
 // What each rank sends rank 0: one vector, so that one all-gather carries it.
 enum Metric : std::size_t {

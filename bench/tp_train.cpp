@@ -24,6 +24,7 @@
 #include "bench/json_line.h"
 #include "bench/llama_stack.h"
 #include "bench/peak_rss.h"
+#include "bench/step_timing.h"
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/config.h"
@@ -79,15 +80,8 @@ void init_weights(torch::nn::Module& model) {
   }
 }
 
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[(values.size() - 1) / 2];
-}
-
-double seconds(std::chrono::steady_clock::time_point from,
-               std::chrono::steady_clock::time_point to) {
-  return std::chrono::duration<double>(to - from).count();
-}
+using mdist::bench::median;
+using mdist::bench::seconds;
 
 // What each rank sends rank 0: one vector, so that one all-gather carries it.
 enum Metric : std::size_t {
