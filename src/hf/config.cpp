@@ -111,7 +111,15 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   c.num_hidden_layers = required_as<int64_t>(j, "num_hidden_layers");
   c.num_attention_heads = required_as<int64_t>(j, "num_attention_heads");
   c.vocab_size = required_as<int64_t>(j, "vocab_size");
-  c.num_key_value_heads = optional_as<int64_t>(j, "num_key_value_heads", c.num_attention_heads);
+  // The defaults of transformers' config class of each architecture (a key left out of
+  // config.json means that class's default, not one shared value).
+  const bool qwen = c.architecture == "Qwen2ForCausalLM" || c.architecture == "Qwen3ForCausalLM";
+  const bool mistral = c.architecture == "MistralForCausalLM";
+  const int64_t default_kv_heads = qwen ? 32 : mistral ? 8 : c.num_attention_heads;
+  c.num_key_value_heads =
+      j.contains("num_key_value_heads")
+          ? optional_as<int64_t>(j, "num_key_value_heads", c.num_attention_heads)
+          : default_kv_heads;
   if (c.hidden_size <= 0 || c.intermediate_size <= 0 || c.num_hidden_layers <= 0 ||
       c.num_attention_heads <= 0 || c.num_key_value_heads <= 0 || c.vocab_size <= 0) {
     fail(
@@ -122,11 +130,25 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
     fail("num_attention_heads " + std::to_string(c.num_attention_heads) +
          " is not a multiple of num_key_value_heads " + std::to_string(c.num_key_value_heads));
   }
-  c.head_dim = optional_as<int64_t>(j, "head_dim", c.hidden_size / c.num_attention_heads);
-  if (c.head_dim <= 0 || c.head_dim % 2 != 0) {
-    fail("head_dim " + std::to_string(c.head_dim) + " must be positive and even");
+  // LlamaConfig.validate_architecture refuses a hidden size the heads do not divide, even with
+  // an explicit head_dim; Qwen2, Qwen3 and Mistral accept it (head_dim = hidden // heads).
+  if (c.architecture == "LlamaForCausalLM" && c.hidden_size % c.num_attention_heads != 0) {
+    fail("the hidden size (" + std::to_string(c.hidden_size) +
+         ") is not a multiple of the number of attention heads (" +
+         std::to_string(c.num_attention_heads) + ")");
   }
-  c.max_position_embeddings = optional_as<int64_t>(j, "max_position_embeddings", 2048);
+  const int64_t default_head_dim =
+      c.architecture == "Qwen3ForCausalLM" ? 128 : c.hidden_size / c.num_attention_heads;
+  c.head_dim = optional_as<int64_t>(j, "head_dim", default_head_dim);
+  if (c.head_dim <= 0) fail("head_dim " + std::to_string(c.head_dim) + " must be positive");
+  if (c.head_dim % 2 != 0) {
+    fail("RoPE requires an even rotary dimension, but head_dim is " + std::to_string(c.head_dim));
+  }
+  c.max_position_embeddings = optional_as<int64_t>(j, "max_position_embeddings",
+                                                   qwen      ? 32768
+                                                   : mistral ? 131072
+                                                             : 2048);
+  if (c.max_position_embeddings <= 0) fail("max_position_embeddings must be positive");
   c.rms_norm_eps = optional_as<double>(j, "rms_norm_eps", 1e-6);
   c.tie_word_embeddings = optional_as<bool>(j, "tie_word_embeddings", false);
   if (const auto it = j.find("pad_token_id"); it != j.end() && !it->is_null()) {
@@ -165,7 +187,10 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   }
 
   if (c.architecture == "MistralForCausalLM") {
-    if (const auto it = j.find("sliding_window"); it != j.end() && !it->is_null()) {
+    // Absent: MistralConfig's default window of 4096; null: no window.
+    if (const auto it = j.find("sliding_window"); it == j.end()) {
+      c.sliding_window = 4096;
+    } else if (!it->is_null()) {
       c.sliding_window = get_as<int64_t>(*it, "sliding_window");
       if (*c.sliding_window <= 0) fail("sliding_window must be positive");
     }

@@ -2,8 +2,11 @@
 #include "mdist/hf/pretrained.h"
 
 #include <exception>
+#include <iostream>
 #include <map>
+#include <set>
 #include <string>
+#include <tuple>
 
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
@@ -15,6 +18,98 @@
 #include "mdist/runtime/runtime.h"
 
 namespace mdist::hf {
+namespace {
+
+std::string shape_text(c10::IntArrayRef shape) {
+  std::string text = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    text += (i ? ", " : "") + std::to_string(shape[i]);
+  }
+  return text + "]";
+}
+
+std::string first_of(const std::vector<std::string>& items) {
+  std::string text;
+  for (std::size_t i = 0; i < items.size() && i < 3; ++i) text += (i ? ", " : "") + items[i];
+  if (items.size() > 3) text += " and " + std::to_string(items.size() - 3) + " more";
+  return text;
+}
+
+// The dtype holding most elements (a few fp32 norms do not outvote bf16 matrices).
+c10::ScalarType dominant_dtype(const std::map<std::string, at::Tensor>& tensors) {
+  std::map<c10::ScalarType, int64_t> elements;
+  for (const auto& [name, tensor] : tensors) elements[tensor.scalar_type()] += tensor.numel();
+  c10::ScalarType dominant = c10::kFloat;
+  int64_t most = -1;
+  for (const auto& [dtype, count] : elements) {
+    if (count > most) std::tie(dominant, most) = std::pair{dtype, count};
+  }
+  return dominant;
+}
+
+// config.json's spelling of a dtype (torch's attribute name).
+std::string config_dtype_name(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kBFloat16:
+      return "bfloat16";
+    case c10::kHalf:
+      return "float16";
+    case c10::kDouble:
+      return "float64";
+    default:
+      return "float32";
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> check_checkpoint(const LlamaConfig& config,
+                                          const SafetensorsCheckpoint& checkpoint) {
+  // The model's own names and full shapes, from a model on the meta device (no memory).
+  const CausalLM meta(config, c10::kMeta);
+  const auto params = meta->named_parameters();
+  std::vector<std::string> missing, unexpected;
+  for (const auto& item : params) {
+    const std::string& name = item.key();
+    if (!checkpoint.contains(name)) {
+      missing.push_back(name);
+      continue;
+    }
+    const TensorInfo& info = checkpoint.info(name);
+    if (!c10::IntArrayRef(info.shape).equals(item.value().sizes())) {
+      throw Error("size mismatch for '" + name + "': copying a param with shape " +
+                  shape_text(info.shape) + " from checkpoint, the shape in current model is " +
+                  shape_text(item.value().sizes()));
+    }
+    if (!c10::isFloatingType(info.dtype)) {
+      throw Error("'" + name + "' is stored as " + dtype_name(info.dtype) +
+                  "; only floating-point tensors convert to the model's " +
+                  config_dtype_name(item.value().scalar_type()) + " parameters");
+    }
+  }
+  if (!missing.empty()) {
+    throw Error("the checkpoint has no " + first_of(missing) + " (" +
+                std::to_string(missing.size()) + " of the model's " +
+                std::to_string(params.size()) + " parameters missing)");
+  }
+  for (const auto& name : checkpoint.names()) {
+    if (params.contains(name)) continue;
+    if (name == "lm_head.weight" && config.tie_word_embeddings) {
+      // A tied model's head is its embedding: a listed copy must at least fit it.
+      const auto& embed = params["model.embed_tokens.weight"];
+      if (!c10::IntArrayRef(checkpoint.info(name).shape).equals(embed.sizes())) {
+        throw Error("size mismatch for 'lm_head.weight': copying a param with shape " +
+                    shape_text(checkpoint.info(name).shape) +
+                    " from checkpoint, the shape in current model (tied to "
+                    "model.embed_tokens.weight) is " +
+                    shape_text(embed.sizes()));
+      }
+      continue;
+    }
+    unexpected.push_back(name);
+  }
+  return unexpected;
+}
 
 void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
                      std::uint64_t max_shard_bytes) {
@@ -42,15 +137,44 @@ void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
     throw Error("mdist: save_pretrained: cannot create '" + dir.string() + "': " + error.message());
   }
   save_checkpoint(dir, tensors, max_shard_bytes);
-  write_file_atomically(dir / "config.json", model->config.to_json());
+  // config.json names the dtype the tensors were written in (the model's, which may differ
+  // from the dtype of the checkpoint it was loaded from: a bf16 checkpoint is trained in fp32),
+  // so that from_pretrained(dtype="auto") and the tensors agree.
+  LlamaConfig written = model->config;
+  written.torch_dtype = config_dtype_name(dominant_dtype(tensors));
+  write_file_atomically(dir / "config.json", written.to_json());
 }
+
+namespace {
+
+// check_checkpoint, with dir in the message; the keys to ignore, reported once.
+std::set<std::string> checked_extra_keys(const LlamaConfig& config,
+                                         const SafetensorsCheckpoint& checkpoint,
+                                         const std::filesystem::path& dir) {
+  std::vector<std::string> extra;
+  try {
+    extra = check_checkpoint(config, checkpoint);
+  } catch (const Error& error) {
+    throw Error("mdist: checkpoint '" + dir.string() + "': " + error.what());
+  }
+  if (!extra.empty() && is_master()) {
+    std::cerr << "mdist: checkpoint '" << dir.string() << "': ignoring " << extra.size()
+              << " tensor(s) the model does not have: " << first_of(extra) << std::endl;
+  }
+  return {extra.begin(), extra.end()};
+}
+
+}  // namespace
 
 CausalLM load_pretrained(const std::filesystem::path& dir) {
   const LlamaConfig config = LlamaConfig::from_file((dir / "config.json").string());
   CausalLM model(config);
   const SafetensorsCheckpoint checkpoint(dir);
+  const auto extra = checked_extra_keys(config, checkpoint, dir);
   std::map<std::string, at::Tensor> tensors;
-  for (const auto& name : checkpoint.names()) tensors[name] = checkpoint.tensor(name);
+  for (const auto& name : checkpoint.names()) {
+    if (!extra.contains(name)) tensors[name] = checkpoint.tensor(name);
+  }
   load_state_dict(model, tensors);
   return model;
 }
@@ -67,9 +191,16 @@ void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::pa
   }
   const SafetensorsCheckpoint checkpoint(dir);
   const auto params = model.named_parameters();
+  const auto* causal_lm = dynamic_cast<const CausalLMImpl*>(&model);
+  // A CausalLM is checked against its config's full shapes (a split model's parameters are
+  // slices), and tensors it does not have are skipped as transformers skips them.
+  const std::set<std::string> extra = causal_lm != nullptr
+                                          ? checked_extra_keys(causal_lm->config, checkpoint, dir)
+                                          : std::set<std::string>{};
   RowSource source;
   source.keys = [&] {
     std::vector<std::string> keys = checkpoint.names();
+    std::erase_if(keys, [&](const std::string& key) { return extra.contains(key); });
     // A tied model's lm_head.weight is embed_tokens.weight: a listed copy is accepted and
     // ignored, as hf::load_state_dict does.
     if (!params.contains("lm_head.weight") && params.contains("model.embed_tokens.weight") &&
@@ -91,7 +222,6 @@ void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::pa
     checkpoint.release_pages(name);
     return own;
   };
-  const auto* causal_lm = dynamic_cast<const CausalLMImpl*>(&model);
   if (causal_lm != nullptr && causal_lm->tensor_parallel) {
     load_state_dict_by_rows(model, causal_lm->tensor_parallel->local_source(std::move(source)));
   } else {

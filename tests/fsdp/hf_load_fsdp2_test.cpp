@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <ostream>
 #include <set>
@@ -19,6 +20,7 @@
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/fsdp2_wrap.h"
 #include "mdist/hf/pretrained.h"
+#include "mdist/hf/safetensors.h"
 #include "mdist/mdist.h"
 
 namespace {
@@ -300,6 +302,94 @@ TEST(LoadPretrainedFsdp2Errors, AMissingCheckpointFailsOnEveryRank) {
     }
   }
   mdist::barrier();
+}
+
+// A checkpoint whose tensors do not fit the config is refused on every load path (whole,
+// by rows into an unwrapped model, sharded, split over tensor-parallel ranks) with
+// transformers' wording and the full shapes; an integer tensor is refused, a float16 one is
+// converted, a tensor the model does not have is ignored (as transformers ignores it).
+TEST(LoadPretrainedFsdp2Errors, TensorsThatDoNotFitTheConfigAreRefusedOnEveryPath) {
+  const Checkpoint checkpoint("llama");
+  const auto config = checkpoint.config();
+  const std::filesystem::path base = checkpoint.dir();
+  const std::filesystem::path dir = mdist::broadcast(base.string() + "-edited");
+  const auto weights = [&] {
+    const mdist::hf::SafetensorsCheckpoint file(base);
+    std::map<std::string, at::Tensor> tensors;
+    for (const auto& name : file.names()) tensors[name] = file.tensor(name).clone();
+    return tensors;
+  }();
+  const auto write = [&](const std::map<std::string, at::Tensor>& tensors) {
+    mdist::barrier();
+    if (mdist::is_master()) {
+      std::filesystem::remove_all(dir);
+      std::filesystem::create_directories(dir);
+      std::filesystem::copy_file(base / "config.json", dir / "config.json");
+      mdist::hf::save_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
+    }
+    mdist::barrier();
+  };
+  const auto error_on_every_path = [&](const std::string& expected) {
+    const auto check = [&](const char* path, const std::function<void()>& load) {
+      try {
+        load();
+        ADD_FAILURE() << path << ": loaded";
+      } catch (const mdist::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(expected), std::string::npos)
+            << path << ": " << e.what();
+      }
+    };
+    check("load_pretrained", [&] { (void)mdist::hf::load_pretrained(dir); });
+    check("load_checkpoint_sharded, unwrapped", [&] {
+      CausalLM model(config);
+      mdist::hf::load_checkpoint_sharded(*model, dir);
+    });
+    check("load_pretrained_fsdp2", [&] { (void)mdist::hf::load_pretrained_fsdp2(dir); });
+    if (mdist::size() > 1 && config.num_key_value_heads % mdist::size() == 0) {
+      mdist::hf::Fsdp2LoadOptions split;
+      split.parallel = mdist::make_parallel_state({.tensor_parallel = mdist::size()});
+      check("tensor parallel", [&] { (void)mdist::hf::load_pretrained_fsdp2(dir, split); });
+    }
+  };
+  const std::string embed = "model.embed_tokens.weight";
+  const std::string norm = "model.layers.0.input_layernorm.weight";
+  const std::string q = "model.layers.0.self_attn.q_proj.weight";
+  const auto shape = [](const at::Tensor& t) {
+    std::string text = "[";
+    for (int64_t d = 0; d < t.dim(); ++d) text += (d ? ", " : "") + std::to_string(t.size(d));
+    return text + "]";
+  };
+
+  auto edited = weights;
+  edited[embed] = torch::cat({weights.at(embed), torch::zeros_like(weights.at(embed))});
+  write(edited);
+  error_on_every_path("size mismatch for '" + embed + "': copying a param with shape " +
+                      shape(edited[embed]) + " from checkpoint, the shape in current model is " +
+                      shape(weights.at(embed)));
+  edited = weights;
+  edited[q] = torch::cat({weights.at(q), weights.at(q)});
+  write(edited);
+  error_on_every_path("size mismatch for '" + q + "'");
+  edited = weights;
+  edited[norm] = weights.at(norm).reshape({-1, 1});
+  write(edited);
+  error_on_every_path("size mismatch for '" + norm + "': copying a param with shape " +
+                      shape(edited[norm]) + " from checkpoint");
+  edited = weights;
+  edited[norm] = weights.at(norm).to(at::kInt);
+  write(edited);
+  error_on_every_path("'" + norm + "' is stored as I32; only floating-point tensors convert");
+
+  // Float16 values convert exactly to the model's float32; an extra tensor is skipped.
+  edited = weights;
+  edited[norm] = weights.at(norm).to(at::kHalf);
+  edited["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch::ones({4});
+  write(edited);
+  const CausalLM loaded = mdist::hf::load_pretrained(dir);
+  EXPECT_TRUE(torch::equal(loaded->named_parameters()[norm],
+                           weights.at(norm).to(at::kHalf).to(at::kFloat)));
+  mdist::barrier();
+  if (mdist::is_master()) std::filesystem::remove_all(dir);
 }
 
 }  // namespace

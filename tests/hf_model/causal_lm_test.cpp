@@ -329,9 +329,67 @@ TEST(LlamaConfig, ArchitectureFeatures) {
   // model_type alone names the architecture.
   const auto by_type = LlamaConfig::from_json(R"({"model_type": "qwen2", "hidden_size": 32,
       "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
-      "vocab_size": 40})");
+      "num_key_value_heads": 4, "vocab_size": 40})");
   EXPECT_EQ(by_type.architecture, "Qwen2ForCausalLM");
   EXPECT_TRUE(by_type.qkv_bias);
+}
+
+// A key left out means the default of that architecture's transformers config class (checked
+// against transformers 5.24: Qwen2Config(...) has 32 KV heads, Qwen3Config a head_dim of 128,
+// MistralConfig 8 KV heads and a sliding window of 4096).
+TEST(LlamaConfig, AbsentKeysTakeTheArchitecturesTransformersDefaults) {
+  const auto config = [](const std::string& arch, const std::string& more = "") {
+    return LlamaConfig::from_json(R"({"architectures": [")" + arch +
+                                  R"("], "hidden_size": 256, "intermediate_size": 48,
+        "num_hidden_layers": 1, "num_attention_heads": 32, "vocab_size": 40)" +
+                                  more + "}");
+  };
+  const auto llama = config("LlamaForCausalLM");
+  EXPECT_EQ(llama.num_key_value_heads, 32);
+  EXPECT_EQ(llama.head_dim, 8);
+  EXPECT_EQ(llama.max_position_embeddings, 2048);
+  const auto qwen2 = config("Qwen2ForCausalLM");
+  EXPECT_EQ(qwen2.num_key_value_heads, 32);
+  EXPECT_EQ(qwen2.head_dim, 8);
+  EXPECT_EQ(qwen2.max_position_embeddings, 32768);
+  EXPECT_FALSE(qwen2.sliding_window);
+  const auto qwen3 = config("Qwen3ForCausalLM");
+  EXPECT_EQ(qwen3.head_dim, 128);
+  EXPECT_EQ(qwen3.max_position_embeddings, 32768);
+  const auto mistral = config("MistralForCausalLM");
+  EXPECT_EQ(mistral.num_key_value_heads, 8);
+  EXPECT_EQ(mistral.head_dim, 8);
+  EXPECT_EQ(mistral.max_position_embeddings, 131072);
+  EXPECT_EQ(mistral.sliding_window, 4096);
+  EXPECT_FALSE(config("MistralForCausalLM", R"(, "sliding_window": null)").sliding_window);
+}
+
+// As transformers 5.24: LlamaConfig refuses a hidden size the heads do not divide (even with an
+// explicit head_dim); Qwen2, Qwen3 and Mistral take head_dim = hidden // heads; RoPE needs an
+// even head_dim everywhere.
+TEST(LlamaConfig, HeadSizesAreValidatedAsTransformersDoes) {
+  const std::string heads3 = R"("hidden_size": 128, "intermediate_size": 48,
+      "num_hidden_layers": 1, "num_attention_heads": 3, "num_key_value_heads": 3,
+      "vocab_size": 40)";
+  for (const std::string more : {"", R"(, "head_dim": 32)"}) {
+    EXPECT_THAT(error_of([&] {
+                  LlamaConfig::from_json(R"({"architectures": ["LlamaForCausalLM"], )" + heads3 +
+                                         more + "}");
+                }),
+                HasSubstr("the hidden size (128) is not a multiple of the number of attention "
+                          "heads (3)"));
+  }
+  const auto mistral =
+      LlamaConfig::from_json(R"({"architectures": ["MistralForCausalLM"], )" + heads3 + "}");
+  EXPECT_EQ(mistral.head_dim, 42);
+  EXPECT_EQ(
+      LlamaConfig::from_json(R"({"architectures": ["Qwen2ForCausalLM"], )" + heads3 + "}").head_dim,
+      42);
+  EXPECT_THAT(error_of([] { LlamaConfig::from_json(minimal_config(R"(, "head_dim": 7)")); }),
+              HasSubstr("RoPE requires an even rotary dimension, but head_dim is 7"));
+  EXPECT_THAT(
+      error_of([] { LlamaConfig::from_json(minimal_config(R"(, "max_position_embeddings": 0)")); }),
+      HasSubstr("max_position_embeddings must be positive"));
 }
 
 TEST(LlamaConfig, ToJsonRoundTrips) {

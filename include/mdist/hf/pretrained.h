@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/groups/parallel_state.h"
@@ -17,6 +19,19 @@ namespace mdist::hf {
 // calls it; rank 0 writes. Every file is written atomically.
 void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
                      std::uint64_t max_shard_bytes = std::uint64_t{5} << 30);
+
+class SafetensorsCheckpoint;
+
+// Checks a checkpoint against the model `config` describes before any value is read, as
+// transformers' from_pretrained does: every parameter present with exactly the model's (full,
+// unsplit) shape ("size mismatch for 'K': copying a param with shape [..] from checkpoint, the
+// shape in current model is [..]"), stored in a floating-point dtype (converted to the
+// model's on load; an integer or bool tensor is refused), and a tied model's lm_head.weight
+// copy equal in shape to the embedding. Keys the model does not have are not an error (as in
+// transformers, which ignores them: old Llama checkpoints carry rotary_emb.inv_freq); they are
+// returned, for the caller to report. Throws Error naming the first problems.
+std::vector<std::string> check_checkpoint(const LlamaConfig& config,
+                                          const SafetensorsCheckpoint& checkpoint);
 
 // Builds the model from dir/config.json and loads its weights by name.
 CausalLM load_pretrained(const std::filesystem::path& dir);
