@@ -88,6 +88,13 @@ int launch(const LaunchOptions& options) {
         "OMP_NUM_THREADS is not set; setting it to 1 for every rank to avoid oversubscribing "
         "the CPU (set it yourself to tune)");
   }
+  // More ranks than cores run, but slowly and with collectives timing out under load; say so.
+  if (const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+      cores > 0 && options.nproc_per_node > cores) {
+    report("warning: --nproc-per-node " + std::to_string(options.nproc_per_node) +
+           " exceeds this node's " + std::to_string(cores) +
+           " CPU cores; the ranks share them (oversubscribed)");
+  }
 
   const auto kill_timeout = std::chrono::milliseconds(
       static_cast<std::chrono::milliseconds::rep>(std::llround(options.kill_timeout_s * 1000.0)));

@@ -327,6 +327,19 @@ TEST(LauncherTest, KeepsAnExistingOmpNumThreads) {
   EXPECT_EQ(r.err, "");
 }
 
+TEST(LauncherTest, WarnsWhenTheRanksExceedTheCores) {
+  const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+  ASSERT_GT(cores, 0);
+  const std::string ranks = std::to_string(cores + 1);
+  const RunResult r = run({"--nproc-per-node", ranks, kProbe, "print-env"},
+                          test_environment({"OMP_NUM_THREADS=1"}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("mdistrun: warning: --nproc-per-node " + ranks + " exceeds this node's " +
+                       std::to_string(cores) + " CPU cores"),
+            std::string::npos)
+      << r.err;
+}
+
 TEST(LauncherTest, StaleListenFdVariableIsNotInherited) {
   const RunResult r = run({"--nproc-per-node", "2", kProbe, "print-env"},
                           test_environment({"MDIST_STORE_LISTEN_FD=1"}));
