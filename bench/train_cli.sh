@@ -84,7 +84,7 @@ run_cpp() {
   local world="$1" impl="mdist (C++)" log="$work/cpp-$1.log" out="$work/cpp-$1-out" start=$SECONDS
   launch "$log" "$build/bin/mdistrun" --nproc-per-node "$world" "$build/bin/mdist" train \
     --steps "$steps" --seq-len "$seq_len" --global-batch "$batch" --lr "$lr" \
-    --warmup "$lr_warmup" --seed "$seed" --save-every 0 --out "$out"
+    --warmup "$lr_warmup" --seed "$seed" --save-every 0 --eval-every 0 --overwrite --out "$out"
   local rc=$?
   if [[ $rc -ne 0 ]]; then
     fail "$impl" "$world" "$rc" "$log"

@@ -41,12 +41,12 @@ AbsMax elementwise_max(const std::vector<AbsMax>& per_rank) {
 }  // namespace
 
 int run_calibrate(const CalibrateOptions& o) {
-  const Session session;
+  const Session session(setup_options(o.io.timeout_s));
   configure_threads();
   ModelChoice choice;
   TokenStream data;
   agree_on_inputs([&] {
-    if (o.max_sequences < 0) throw InputError("--max-sequences must not be negative");
+    check_at_least(o.max_sequences, 0, "--max-sequences");
     check_writable_file(o.out, "output file");
     check_tensor_parallel_size(o.io.tensor_parallel);
     choice = model_for_inference(o.io.model_dir, o.default_run);
@@ -79,6 +79,22 @@ int run_calibrate(const CalibrateOptions& o) {
         }));
   }
 
+  // A tied head (lm_head.weight is embed_tokens.weight) is no Linear module here, but it is
+  // one in transformers and is quantized like the others: its input is the final norm's output
+  // and its weight the embedding's (the vocabulary rows this rank holds, under tensor
+  // parallelism; the TP sync below takes the max over them).
+  if (!model->lm_head) {
+    stats["lm_head"] = {0.0, 0.0};
+    hooks.push_back(nn::register_forward_hook(
+        *model->model->norm,
+        [&stats, &recording, &model](torch::nn::Module&, nn::TensorRefs& outputs) {
+          if (!recording || outputs.empty()) return;
+          auto& slot = stats["lm_head"];
+          slot.first = std::max(slot.first, outputs.front()->abs().max().item<double>());
+          slot.second =
+              std::max(slot.second, model->model->embed_tokens->weight.abs().max().item<double>());
+        }));
+  }
   const int64_t total =
       o.max_sequences > 0 ? std::min(o.max_sequences, windows.count()) : windows.count();
   say("mdist calibrate: model " + choice.description);

@@ -7,6 +7,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -16,6 +17,7 @@
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
+#include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 #include "src/cli/input_error.h"
 
@@ -146,7 +148,11 @@ class OptimizerRows {
     }
     std::sort(paths.begin(), paths.end());
     for (const auto& path : paths) {
-      files_.push_back(std::make_unique<hf::SafetensorsFile>(path));
+      try {
+        files_.push_back(std::make_unique<hf::SafetensorsFile>(path));
+      } catch (const Error& error) {
+        throw InputError("optimizer state file '" + path.string() + "': " + error.what());
+      }
       const auto& file = *files_.back();
       const auto format = file.metadata().find("format");
       if (format == file.metadata().end() ||
@@ -171,6 +177,40 @@ class OptimizerRows {
   }
 
   bool empty() const { return pieces_.empty(); }
+
+  // Checks that the pieces of `key` lie inside `shape` (its full HF-layout shape), are float32
+  // and cover it once.
+  void check(const std::string& key, c10::IntArrayRef shape) const {
+    const auto it = pieces_.find(key);
+    if (it == pieces_.end()) throw InputError("optimizer state has no '" + key + "'");
+    const int64_t rows = shape.empty() ? 1 : shape[0];
+    const int64_t cols = shape.size() >= 2 ? shape[1] : 1;
+    const int64_t row_numel =
+        shape.empty() ? 1 : c10::multiply_integers(shape) / std::max<int64_t>(rows, 1);
+    int64_t covered = 0;
+    for (const auto& piece : it->second) {
+      const auto& info = piece.file->info(key);
+      const int64_t piece_row_numel = info.shape.empty() ? 1
+                                                         : c10::multiply_integers(info.shape) /
+                                                               std::max<int64_t>(info.shape[0], 1);
+      const bool inside = piece.offset >= 0 && piece.offset + piece.rows <= rows &&
+                          piece.col_offset >= 0 &&
+                          (shape.size() < 2 ? piece_row_numel == row_numel
+                                            : piece.col_offset + piece.cols <= cols &&
+                                                  piece_row_numel * cols == row_numel * piece.cols);
+      if (info.dtype != at::kFloat || !inside) {
+        throw InputError("optimizer state file '" + piece.file->path().string() + "': '" + key +
+                         "' (" + hf::dtype_name(info.dtype) + " of " + std::to_string(piece.rows) +
+                         " rows from row " + std::to_string(piece.offset) +
+                         ") does not fit the parameter's float32 shape");
+      }
+      covered += piece.rows * (shape.size() >= 2 ? piece.cols : 1);
+    }
+    if (covered != rows * cols) {
+      throw InputError("optimizer state for '" + key + "' covers " + std::to_string(covered) +
+                       " of its " + std::to_string(rows * cols) + " rows x columns");
+    }
+  }
 
   // Rows [first, first + rows) and (for a tensor of 2 or more dimensions) columns
   // [col_first, col_first + target.size(1)) of `key` into target's first `rows` rows, from
@@ -254,26 +294,60 @@ void save_training_checkpoint(const fs::path& run_dir, hf::CausalLM& model,
   const fs::path dir = run_dir / "checkpoints";
   const std::string name = step_name(state.step);
   const fs::path tmp = dir / (".tmp-" + name);
+  // A rank that fails to write (a full disk, a quota) must not leave the others waiting or a
+  // partial hidden directory behind: each part is attempted, the outcomes agreed on, and on
+  // any failure the temporary directory goes and the previous checkpoint stays `latest`.
+  std::optional<std::string> failure;
+  const auto attempt = [&](const std::function<void()>& part) {
+    if (failure) return;
+    try {
+      part();
+    } catch (const std::exception& error) {
+      failure = error.what();
+    }
+  };
+  const auto agree = [&] {
+    std::optional<std::string> first;
+    for (const auto& f : allgather(failure)) {
+      if (f && !first) first = f;
+    }
+    if (!first) return;
+    if (rank() == 0) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+    }
+    throw AgreedFailure("cannot write checkpoint " + (dir / name).string() + ": " +
+                            first->substr(0, first->find('\n')) +
+                            (latest_checkpoint(run_dir) ? "; the previous checkpoint is kept" : ""),
+                        rank() == 0, 1);
+  };
   if (rank() == 0) {
-    fs::remove_all(tmp);
-    fs::create_directories(tmp / "optimizer");
+    attempt([&] {
+      fs::remove_all(tmp);
+      fs::create_directories(tmp / "optimizer");
+    });
   }
-  barrier();
-  hf::save_pretrained(model, tmp);  // collective; rank 0 writes
-  write_optimizer_rows(tmp / "optimizer" / rank_file(rank(), size()), model, optimizer, parallel);
-  if (rank() == 0) {
-    const nlohmann::json trainer = {
-        {"format", "mdist.trainer_state.v1"},
-        {"step", state.step},
-        {"sequences_seen", state.sequences_seen},
-        {"world_size", size()},
-        {"tensor_parallel", std::max(1, parallel.tensor_parallel_group.world_size())},
-        {"run", state.run},
-        {"cpu_rng_state", cpu_rng_state()},
-    };
-    hf::write_file_atomically(tmp / "trainer_state.json", trainer.dump(2) + "\n");
-  }
-  barrier();  // every rank's files are complete
+  agree();
+  // save_pretrained gathers (collectively) before rank 0 writes, so every rank calls it.
+  attempt([&] { hf::save_pretrained(model, tmp); });
+  attempt([&] {
+    write_optimizer_rows(tmp / "optimizer" / rank_file(rank(), size()), model, optimizer, parallel);
+  });
+  if (rank() == 0)
+    attempt([&] {
+      const nlohmann::json trainer = {
+          {"format", "mdist.trainer_state.v1"},
+          {"step", state.step},
+          {"sequences_seen", state.sequences_seen},
+          {"world_size", size()},
+          {"tensor_parallel", std::max(1, parallel.tensor_parallel_group.world_size())},
+          {"run", state.run},
+          {"cpu_rng_state", cpu_rng_state()},
+          {"skipped_steps", state.skipped_steps},
+      };
+      hf::write_file_atomically(tmp / "trainer_state.json", trainer.dump(2) + "\n");
+    });
+  agree();  // every rank's files are complete
   if (rank() == 0) {
     replace_directory(tmp, dir / name);
     hf::write_file_atomically(dir / "latest", name + "\n");
@@ -304,18 +378,83 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
 }
 
 TrainerState read_trainer_state(const fs::path& checkpoint) {
-  std::ifstream in(checkpoint / "trainer_state.json");
+  const fs::path path = checkpoint / "trainer_state.json";
+  std::ifstream in(path);
   if (!in) throw InputError("checkpoint '" + checkpoint.string() + "' has no trainer_state.json");
   const auto json = nlohmann::json::parse(in, nullptr, false);
+  const auto bad = [&](const std::string& what) {
+    return InputError("'" + path.string() + "': " + what);
+  };
   if (!json.is_object() || json.value("format", "") != "mdist.trainer_state.v1") {
-    throw InputError("checkpoint '" + checkpoint.string() + "': trainer_state.json is malformed");
+    throw bad(
+        "not an mdist trainer state (malformed JSON or no \"format\": "
+        "\"mdist.trainer_state.v1\")");
   }
   TrainerState state;
-  state.step = json.value("step", 0);
-  state.sequences_seen = json.value("sequences_seen", int64_t{0});
-  state.run = json.value("run", nlohmann::json::object());
-  state.rng_state_hex = json.value("cpu_rng_state", "");
+  int world = 1, tp = 1;
+  try {
+    state.step = json.at("step").get<int>();
+    state.sequences_seen = json.at("sequences_seen").get<int64_t>();
+    state.run = json.value("run", nlohmann::json::object());
+    state.rng_state_hex = json.value("cpu_rng_state", "");
+    state.skipped_steps = json.value("skipped_steps", 0);
+    world = json.value("world_size", 1);
+    tp = json.value("tensor_parallel", 1);
+    if (!state.run.is_object()) throw bad("\"run\" is not an object");
+  } catch (const nlohmann::json::exception& error) {
+    throw bad(std::string("a field is missing or of the wrong type (") + error.what() + ")");
+  }
+  if (state.step < 1) throw bad("step " + std::to_string(state.step) + " is not a step (>= 1)");
+  if (const auto name = checkpoint.filename().string();
+      name.rfind("step-", 0) == 0 && name != step_name(state.step)) {
+    throw bad("step " + std::to_string(state.step) + " is not the directory's (" + name + ")");
+  }
+  if (state.run.contains("steps") && state.run["steps"].is_number_integer() &&
+      state.step > state.run["steps"].get<int>()) {
+    throw bad("step " + std::to_string(state.step) + " is beyond the run's steps " +
+              state.run["steps"].dump());
+  }
+  if (state.run.contains("global_batch") && state.run["global_batch"].is_number_integer() &&
+      state.sequences_seen != state.step * state.run["global_batch"].get<int64_t>()) {
+    throw bad("sequences_seen " + std::to_string(state.sequences_seen) + " is not step " +
+              std::to_string(state.step) + " x global_batch " + state.run["global_batch"].dump());
+  }
+  if (state.skipped_steps < 0 || state.skipped_steps > state.step) {
+    throw bad("skipped_steps " + std::to_string(state.skipped_steps) + " is outside [0, step]");
+  }
+  if (world < 1 || tp < 1 || world % tp != 0) {
+    throw bad("world_size " + std::to_string(world) + " and tensor_parallel " + std::to_string(tp) +
+              " are not a layout (both >= 1, tensor_parallel dividing)");
+  }
+  if (!state.rng_state_hex.empty()) {
+    const bool hex = state.rng_state_hex.find_first_not_of("0123456789abcdef") == std::string::npos;
+    if (!hex || state.rng_state_hex.size() != cpu_rng_state().size()) {
+      throw bad("cpu_rng_state is not a state of this libtorch's CPU generator (" +
+                std::to_string(cpu_rng_state().size()) + " hex digits expected, got " +
+                std::to_string(state.rng_state_hex.size()) + (hex ? "" : ", not all hex") + ")");
+    }
+  }
   return state;
+}
+
+void check_optimizer_state(const fs::path& checkpoint, const hf::LlamaConfig& config, int step) {
+  const OptimizerRows rows(checkpoint / "optimizer");
+  if (rows.empty()) {
+    if (step > 0) {
+      throw InputError("checkpoint '" + checkpoint.string() + "' has no optimizer state");
+    }
+    return;
+  }
+  const hf::CausalLM meta(config, c10::kMeta);
+  for (const auto& item : meta->named_parameters()) {
+    for (const char* kind : {"exp_avg", "exp_avg_sq"}) {
+      try {
+        rows.check(item.key() + "/" + kind, item.value().sizes());
+      } catch (const InputError& error) {
+        throw InputError("checkpoint '" + checkpoint.string() + "': " + error.what());
+      }
+    }
+  }
 }
 
 void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,

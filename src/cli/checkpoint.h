@@ -32,6 +32,7 @@ struct TrainerState {
   std::int64_t sequences_seen = 0;  // data position: sequences of the window order consumed
   nlohmann::json run;               // the run's flags (seq_len, global_batch, seed, data, ...)
   std::string rng_state_hex;        // libtorch's default CPU generator
+  int skipped_steps = 0;            // steps skipped as non-finite (--skip-nonfinite-steps)
 };
 
 // Collective. `keep`: how many checkpoints to keep (older ones are removed, and so are those
@@ -43,8 +44,18 @@ void save_training_checkpoint(const std::filesystem::path& run_dir, hf::CausalLM
 // The newest complete checkpoint of a run, if any.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
 
-// Reads trainer_state.json (InputError when missing or malformed).
+// Reads and validates trainer_state.json: InputError naming the file and the field when it is
+// missing, malformed or inconsistent (a step below 1 or not the directory's, a data position
+// that is not step x global_batch, a layout that does not divide, an RNG state of the wrong
+// size).
 TrainerState read_trainer_state(const std::filesystem::path& checkpoint);
+
+// Validates the optimizer files of a checkpoint for a model of `config` before anything is
+// loaded: every file readable and of mdist's format, and for every parameter both AdamW moments
+// present, in float32, inside the parameter's full shape and covering it. InputError naming
+// the file and the tensor otherwise. Rank-local (each rank reads the file headers).
+void check_optimizer_state(const std::filesystem::path& checkpoint, const hf::LlamaConfig& config,
+                           int step);
 
 // Loads the optimizer's moments (each rank its own rows) and restores the RNG. The model's
 // weights are not read here: a resumed model is built from the checkpoint directory itself

@@ -19,7 +19,8 @@ struct ModelDataOptions {
   std::string split = "auto";  // auto: train/eval split of the embedded corpus, else "all"
   std::int64_t seq_len = 128;
   std::uint64_t seed = 1234;
-  int tensor_parallel = 1;  // --tp: ranks per tensor-parallel group (dp = world / tp)
+  int tensor_parallel = 1;          // --tp: ranks per tensor-parallel group (dp = world / tp)
+  std::optional<double> timeout_s;  // --timeout (else MDIST_TIMEOUT, else 30 min)
 };
 
 struct TrainOptions {
@@ -36,6 +37,13 @@ struct TrainOptions {
   int keep = 2;          // checkpoints kept (the newest)
   int log_every = 10;
   bool resume = false;
+  bool overwrite = false;       // replace an earlier run in `out` (never the --model source)
+  bool skip_nonfinite = false;  // skip a step whose loss or gradient norm is not finite
+  // Held-out loss every K steps; nullopt: at each checkpoint; 0: never.
+  std::optional<int> eval_every;
+  std::optional<std::filesystem::path> eval_data;  // else the eval split of the training data
+  std::int64_t eval_max_sequences = 256;           // 0: all
+  double watchdog_s = 300;  // report a rank that lags the others' step this long (0: never)
 };
 
 struct EvalOptions {
@@ -61,11 +69,13 @@ struct GenerateOptions {
   bool greedy = false;
   std::uint64_t seed = 1234;
   int tensor_parallel = 1;
+  std::optional<double> timeout_s;
   std::filesystem::path default_run = "runs/default";
 };
 
 struct InfoOptions {
   int tensor_parallel = 1;
+  std::optional<double> timeout_s;
 };
 
 int run_train(const TrainOptions& options);

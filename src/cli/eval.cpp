@@ -12,42 +12,27 @@
 #include "mdist/tp/cross_entropy.h"
 #include "src/cli/commands.h"
 #include "src/cli/forward_split.h"
+#include "src/cli/held_out.h"
 #include "src/cli/job.h"
 
 namespace mdist::cli {
 
-int run_eval(const EvalOptions& o) {
-  const Session session;
-  configure_threads();
-  ModelChoice choice;
-  TokenStream data;
-  agree_on_inputs([&] {
-    if (o.batch_size < 1) throw InputError("--batch-size must be at least 1");
-    if (o.out) check_writable_file(*o.out, "output file");
-    check_tensor_parallel_size(o.io.tensor_parallel);
-    choice = model_for_inference(o.io.model_dir, o.default_run);
-    check_tensor_parallel(o.io.tensor_parallel, choice.config);
-    data = load_checked_data(o.io, DataSplit::eval, choice, "eval");
-  });
-  const Windows windows(data, o.io.seq_len, "eval");
-  const ParallelState parallel = make_layout(o.io.tensor_parallel);
-  const Group dp = parallel.data_parallel_group.group();
-  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, parallel);
+HeldOutLoss held_out_loss(hf::CausalLM& model, const Windows& windows,
+                          const ParallelState& parallel, std::int64_t batch_size,
+                          std::int64_t max_windows) {
+  const bool training = model->is_training();
   model->eval();
   const torch::NoGradGuard no_grad;
-  say("mdist eval: model " + choice.description);
-  say("mdist eval: data " + data.description + ", " + std::to_string(windows.count()) +
-      " sequences of " + std::to_string(o.io.seq_len) + " tokens on " + describe_layout(parallel));
-
-  const auto plan = plan_forwards(windows.count(), parallel.data_parallel_group.world_size(),
-                                  parallel.data_parallel_group.rank(), o.batch_size);
-  const int64_t T = o.io.seq_len;
+  const int64_t total = max_windows > 0 ? std::min(max_windows, windows.count()) : windows.count();
+  const auto plan = plan_forwards(total, parallel.data_parallel_group.world_size(),
+                                  parallel.data_parallel_group.rank(), batch_size);
+  const int64_t T = windows.seq_len();
   double loss_sum = 0;
   int64_t tokens = 0;
   for (int64_t round = 0; round < plan.rounds; ++round) {
-    const auto first = static_cast<std::size_t>(round * o.batch_size);
+    const auto first = static_cast<std::size_t>(round * batch_size);
     const int64_t real = std::clamp<int64_t>(
-        static_cast<int64_t>(plan.windows.size()) - static_cast<int64_t>(first), 0, o.batch_size);
+        static_cast<int64_t>(plan.windows.size()) - static_cast<int64_t>(first), 0, batch_size);
     // A dummy window keeps the collectives going on a rank that has run out.
     const std::vector<int64_t> which =
         real > 0
@@ -72,9 +57,35 @@ int run_eval(const EvalOptions& o) {
     loss_sum += per_token.to(torch::kDouble).sum().item<double>();
     tokens += real * (T - 1);
   }
+  if (training) model->train();
   // Over the data-parallel group: the tensor-parallel ranks of one hold the same losses.
-  const double total_loss = allreduce(loss_sum, "sum", dp);
-  const int64_t total_tokens = allreduce(tokens, "sum", dp);
+  const Group dp = parallel.data_parallel_group.group();
+  return {allreduce(loss_sum, "sum", dp), allreduce(tokens, "sum", dp)};
+}
+
+int run_eval(const EvalOptions& o) {
+  const Session session(setup_options(o.io.timeout_s));
+  configure_threads();
+  ModelChoice choice;
+  TokenStream data;
+  agree_on_inputs([&] {
+    check_at_least(o.batch_size, 1, "--batch-size");
+    if (o.out) check_writable_file(*o.out, "output file");
+    check_tensor_parallel_size(o.io.tensor_parallel);
+    choice = model_for_inference(o.io.model_dir, o.default_run);
+    check_tensor_parallel(o.io.tensor_parallel, choice.config);
+    data = load_checked_data(o.io, DataSplit::eval, choice, "eval");
+  });
+  const Windows windows(data, o.io.seq_len, "eval");
+  const ParallelState parallel = make_layout(o.io.tensor_parallel);
+  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, parallel);
+  say("mdist eval: model " + choice.description);
+  say("mdist eval: data " + data.description + ", " + std::to_string(windows.count()) +
+      " sequences of " + std::to_string(o.io.seq_len) + " tokens on " + describe_layout(parallel));
+  const HeldOutLoss held = held_out_loss(model, windows, parallel, o.batch_size);
+  const int64_t T = o.io.seq_len;
+  const double total_loss = held.loss_sum;
+  const int64_t total_tokens = held.tokens;
   const double mean = total_loss / static_cast<double>(total_tokens);
   const double perplexity = std::exp(mean);
   char line[256];
@@ -83,6 +94,7 @@ int run_eval(const EvalOptions& o) {
                 perplexity, static_cast<long long>(total_tokens));
   say(line);
   if (o.out && rank() == 0) {
+    if (o.out->has_parent_path()) std::filesystem::create_directories(o.out->parent_path());
     const nlohmann::json result = {
         {"model", choice.description}, {"data", data.description}, {"seq_len", T},
         {"tokens", total_tokens},      {"loss_sum", total_loss},   {"loss", mean},

@@ -2,6 +2,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 
@@ -14,13 +15,14 @@
 namespace mdist::cli {
 
 int run_generate(const GenerateOptions& o) {
-  const Session session;
+  const Session session(setup_options(o.timeout_s));
   configure_threads();
   ModelChoice choice;
   agree_on_inputs([&] {
     if (o.max_new_tokens < 0) throw InputError("--max-new-tokens must not be negative");
-    if (!o.greedy && !(o.temperature > 0)) {
-      throw InputError("--temperature must be positive (or use --greedy)");
+    if (!o.greedy && !(std::isfinite(o.temperature) && o.temperature > 0)) {
+      throw InputError("--temperature must be a positive number (or use --greedy), got " +
+                       flag_value(o.temperature));
     }
     if (o.top_k < 0) throw InputError("--top-k must not be negative (0: no limit)");
     if (o.prompt.empty()) throw InputError("--prompt must not be empty");

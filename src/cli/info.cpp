@@ -19,7 +19,7 @@
 namespace mdist::cli {
 
 int run_info(const InfoOptions& o) {
-  const Session session;
+  const Session session(setup_options(o.timeout_s));
   configure_threads();
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);

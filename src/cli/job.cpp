@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -37,6 +38,56 @@ void agree_on_inputs(const std::function<void()>& check) {
   }
 }
 
+std::string flag_value(double value) {
+  if (std::isnan(value)) return "nan";
+  char text[64];
+  std::snprintf(text, sizeof(text), "%g", value);
+  return text;
+}
+
+void check_positive(double value, const char* flag) {
+  if (!std::isfinite(value) || !(value > 0)) {
+    throw InputError(std::string(flag) + " must be a positive number, got " + flag_value(value));
+  }
+}
+
+void check_non_negative(double value, const char* flag) {
+  if (!std::isfinite(value) || !(value >= 0)) {
+    throw InputError(std::string(flag) + " must be a finite number >= 0, got " + flag_value(value));
+  }
+}
+
+void check_at_least(std::int64_t value, std::int64_t least, const char* flag) {
+  if (value < least) {
+    throw InputError(std::string(flag) + " must be at least " + std::to_string(least) + ", got " +
+                     std::to_string(value));
+  }
+}
+
+SetupOptions setup_options(const std::optional<double>& timeout_s) {
+  SetupOptions options;
+  double seconds = 0;
+  std::string source;
+  if (timeout_s) {
+    seconds = *timeout_s;
+    source = "--timeout";
+  } else if (const char* env = std::getenv("MDIST_TIMEOUT"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    seconds = std::strtod(env, &end);
+    if (end == env || *end != '\0') seconds = std::nan("");
+    source = "MDIST_TIMEOUT";
+  } else {
+    return options;
+  }
+  if (!std::isfinite(seconds) || !(seconds > 0) || seconds > 1e9) {
+    throw InputError(
+        source + " must be a positive number of seconds, got " +
+        (timeout_s ? flag_value(seconds) : "'" + std::string(std::getenv("MDIST_TIMEOUT")) + "'"));
+  }
+  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1000)));
+  return options;
+}
+
 ModelChoice model_from_dir(const std::filesystem::path& dir) {
   std::error_code ec;
   const auto status = std::filesystem::status(dir, ec);
@@ -59,8 +110,9 @@ ModelChoice model_from_dir(const std::filesystem::path& dir) {
   try {
     choice.config = hf::LlamaConfig::from_file(config_path.string());
     // Opens and validates every safetensors file (and the index) up front.
+    // and checks them against the config (names, full shapes, dtypes), as from_pretrained.
     const hf::SafetensorsCheckpoint weights(dir);
-    (void)weights;
+    (void)hf::check_checkpoint(choice.config, weights);
   } catch (const Error& error) {
     throw InputError("model directory '" + dir.string() + "': " + error.what());
   }

@@ -12,23 +12,24 @@
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
 #include "mdist/runtime/device.h"
+#include "mdist/runtime/runtime.h"
 #include "src/cli/commands.h"
 #include "src/cli/input_error.h"
 #include "src/cli/token_data.h"
 
 namespace mdist::cli {
 
-// Thrown on every rank when some rank's inputs were bad; rank 0 prints the message once.
-class AgreedInputError : public Error {
- public:
-  AgreedInputError(const std::string& message, bool reporter)
-      : Error(message), reporter_(reporter) {}
-  // Whether this rank prints the message (rank 0 does; the others stay quiet).
-  bool reporter() const { return reporter_; }
+// Numeric flags: InputError naming the flag and the value unless it is finite and in range.
+void check_positive(double value, const char* flag);      // finite and > 0
+void check_non_negative(double value, const char* flag);  // finite and >= 0
+void check_at_least(std::int64_t value, std::int64_t least, const char* flag);
+// "%g" of a flag's value, for messages.
+std::string flag_value(double value);
 
- private:
-  bool reporter_;
-};
+// The collective timeout of a subcommand: --timeout SECONDS if given, else MDIST_TIMEOUT,
+// else 30 minutes (torch's default). Throws InputError for a value that is not a positive
+// finite number of seconds (read before the job is joined: rank 0 of the environment reports).
+SetupOptions setup_options(const std::optional<double>& timeout_s);
 
 // Runs `check` on every rank, then (collectively) compares outcomes: when any rank threw an
 // InputError, every rank throws AgreedInputError carrying the lowest such rank's message. So a

@@ -54,7 +54,8 @@ double tick_step(double span, int target) {
 }  // namespace
 
 std::string loss_curve_svg(const std::vector<std::pair<int, double>>& points,
-                           const std::string& title) {
+                           const std::string& title,
+                           const std::vector<std::pair<int, double>>& held_out) {
   std::ostringstream svg;
   svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kWidth << "\" height=\"" << kHeight
       << "\" viewBox=\"0 0 " << kWidth << ' ' << kHeight
@@ -65,16 +66,22 @@ std::string loss_curve_svg(const std::vector<std::pair<int, double>>& points,
   const double plot_w = kWidth - kLeft - kRight, plot_h = kHeight - kTop - kBottom;
   int x_min = 0, x_max = 1;
   double y_min = 0, y_max = 1;
-  std::vector<std::pair<int, double>> finite;
+  std::vector<std::pair<int, double>> finite, finite_held_out, all;
   for (const auto& p : points) {
     if (std::isfinite(p.second)) finite.push_back(p);
   }
-  if (!finite.empty()) {
-    x_min = finite.front().first;
-    x_max = std::max(finite.back().first, x_min + 1);
-    const auto [lo, hi] =
-        std::minmax_element(finite.begin(), finite.end(),
-                            [](const auto& a, const auto& b) { return a.second < b.second; });
+  for (const auto& p : held_out) {
+    if (std::isfinite(p.second)) finite_held_out.push_back(p);
+  }
+  all = finite;
+  all.insert(all.end(), finite_held_out.begin(), finite_held_out.end());
+  if (!all.empty()) {
+    const auto [first, last] = std::minmax_element(
+        all.begin(), all.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    x_min = first->first;
+    x_max = std::max(last->first, x_min + 1);
+    const auto [lo, hi] = std::minmax_element(
+        all.begin(), all.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
     y_min = std::floor(lo->second * 2) / 2;
     y_max = std::max(std::ceil(hi->second * 2) / 2, y_min + 0.5);
   }
@@ -108,6 +115,23 @@ std::string loss_curve_svg(const std::vector<std::pair<int, double>>& points,
     for (const auto& [step, loss] : finite)
       svg << fixed(sx(step), 1) << ',' << fixed(sy(loss), 1) << ' ';
     svg << "\"/>\n";
+  }
+  if (!finite_held_out.empty()) {
+    svg << "<polyline fill=\"none\" stroke=\"#ff7f0e\" stroke-width=\"1.5\" points=\"";
+    for (const auto& [step, loss] : finite_held_out)
+      svg << fixed(sx(step), 1) << ',' << fixed(sy(loss), 1) << ' ';
+    svg << "\"/>\n";
+    for (const auto& [step, loss] : finite_held_out) {
+      svg << "<circle cx=\"" << fixed(sx(step), 1) << "\" cy=\"" << fixed(sy(loss), 1)
+          << "\" r=\"3\" fill=\"#ff7f0e\"/>\n";
+    }
+    const double lx = kWidth - kRight - 150, ly = kTop + 16;
+    svg << "<line x1=\"" << lx << "\" x2=\"" << lx + 20 << "\" y1=\"" << ly << "\" y2=\"" << ly
+        << "\" stroke=\"#1f77b4\" stroke-width=\"2\"/><text x=\"" << lx + 26 << "\" y=\"" << ly + 4
+        << "\">training</text>\n"
+        << "<line x1=\"" << lx << "\" x2=\"" << lx + 20 << "\" y1=\"" << ly + 18 << "\" y2=\""
+        << ly + 18 << "\" stroke=\"#ff7f0e\" stroke-width=\"2\"/><text x=\"" << lx + 26 << "\" y=\""
+        << ly + 22 << "\">held out</text>\n";
   }
   svg << "</svg>\n";
   return std::move(svg).str();

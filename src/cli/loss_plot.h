@@ -7,8 +7,10 @@
 
 namespace mdist::cli {
 
-// points: (step, loss) in step order. Returns the SVG document.
+// points: (step, training loss) in step order; held_out: (step, held-out loss), drawn beside
+// it with markers and a legend when not empty. Returns the SVG document.
 std::string loss_curve_svg(const std::vector<std::pair<int, double>>& points,
-                           const std::string& title);
+                           const std::string& title,
+                           const std::vector<std::pair<int, double>>& held_out = {});
 
 }  // namespace mdist::cli

@@ -2,10 +2,14 @@
 // across the ranks of a job started by mdistrun (or torchrun), or in a single process.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "src/cli/commands.h"
 #include "src/cli/job.h"
@@ -26,6 +30,63 @@ constexpr const char* kTpHelp =
 
 void add_tensor_parallel(CLI::App& app, int& tp) {
   app.add_option("--tp", tp, kTpHelp)->capture_default_str();
+}
+
+void add_timeout(CLI::App& app, std::optional<double>& timeout_s) {
+  app.add_option("--timeout", timeout_s,
+                 "Seconds a collective may wait for the other ranks before the job fails "
+                 "(default: MDIST_TIMEOUT, else 1800)")
+      ->type_name("SECONDS");
+}
+
+// This process's rank as the launcher set it (before the job is joined): only rank 0 reports
+// a usage error, which every rank sees alike.
+bool launch_rank0() {
+  const char* rank = std::getenv("RANK");
+  return rank == nullptr || *rank == '\0' || std::strcmp(rank, "0") == 0;
+}
+
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// A usage error: one line on stderr (rank 0 only), exit code 2, and for a mistyped subcommand
+// the nearest one.
+int usage_error(const CLI::App& app, const CLI::ParseError& error, int argc, char** argv) {
+  if (!launch_rank0()) return 2;
+  std::string command = "mdist";
+  for (const auto* sub : app.get_subcommands()) command += " " + sub->get_name();
+  std::string message = error.what();
+  message = message.substr(0, message.find('\n'));
+  if (argc > 1 && argv[1][0] != '-' && app.get_subcommands().empty()) {
+    const std::string typed = argv[1];
+    std::string nearest;
+    std::size_t best = 3;  // suggest within two edits
+    std::string names;
+    for (const auto* sub : app.get_subcommands({})) {
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+      if (const auto d = edit_distance(typed, sub->get_name()); d < best) {
+        best = d;
+        nearest = sub->get_name();
+      }
+    }
+    message = "unknown subcommand '" + typed + "'" +
+              (nearest.empty() ? "" : " (did you mean '" + nearest + "'?)") +
+              "; the subcommands are " + names;
+  }
+  std::cerr << command << ": error: " << message << " (see " << command << " --help)" << std::endl;
+  return 2;
 }
 
 void add_model_data(CLI::App& app, ModelDataOptions& io, bool with_model = true) {
@@ -49,6 +110,7 @@ void add_model_data(CLI::App& app, ModelDataOptions& io, bool with_model = true)
   app.add_option("--seed", io.seed, "Seed of the initialisation and the data order")
       ->capture_default_str();
   add_tensor_parallel(app, io.tensor_parallel);
+  add_timeout(app, io.timeout_s);
 }
 
 int report(const char* command, const std::exception& error, int code, bool print) {
@@ -68,6 +130,8 @@ int main(int argc, char** argv) {
       "across ranks (libtorch, c10d Gloo/NCCL).",
       "mdist"};
   app.footer(kFooter);
+  // A flag given twice takes its last value, as with argparse (scripts append overrides).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("mdist ") + MDIST_VERSION_STRING);
 
@@ -90,7 +154,9 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--warmup", train.warmup, "Linear warm-up steps")->capture_default_str();
   train_cmd->add_option("--weight-decay", train.weight_decay, "AdamW weight decay (matrices)")
       ->capture_default_str();
-  train_cmd->add_option("--grad-clip", train.grad_clip, "Clip the global gradient norm to this")
+  train_cmd
+      ->add_option("--grad-clip", train.grad_clip,
+                   "Clip the global gradient norm to this (0: no clipping)")
       ->capture_default_str();
   train_cmd
       ->add_option("--save-every", train.save_every,
@@ -103,7 +169,32 @@ int main(int argc, char** argv) {
                    "Log line every K steps when stdout is not a terminal")
       ->capture_default_str();
   train_cmd->add_flag("--resume", train.resume,
-                      "Continue from the run directory's last checkpoint");
+                      "Continue from the run directory's last checkpoint (its model: no --model)");
+  train_cmd->add_flag("--overwrite", train.overwrite,
+                      "Replace an earlier run in --out (its metrics and checkpoints); without "
+                      "it a fresh run into a directory holding one is refused");
+  train_cmd->add_flag("--skip-nonfinite-steps", train.skip_nonfinite,
+                      "Skip (no update) a step whose loss or gradient norm is not finite, "
+                      "counted in metrics.jsonl; without it such a step stops the run");
+  train_cmd
+      ->add_option("--eval-every", train.eval_every,
+                   "Held-out loss every K steps (default: at each checkpoint; 0: never)")
+      ->type_name("K");
+  train_cmd
+      ->add_option("--eval-data", train.eval_data,
+                   "Held-out data (same --data-format); default: the eval split (last 10%) of "
+                   "the training data when --split is train (the embedded corpus' default)")
+      ->type_name("FILE");
+  train_cmd
+      ->add_option("--watchdog", train.watchdog_s,
+                   "Rank 0 reports a rank that has not reached the others' step for this many "
+                   "seconds (0: never)")
+      ->capture_default_str()
+      ->type_name("SECONDS");
+  train_cmd
+      ->add_option("--eval-max-sequences", train.eval_max_sequences,
+                   "Held-out sequences per evaluation (0: all)")
+      ->capture_default_str();
   train_cmd->footer(
       "\nExample: mdistrun --nproc-per-node 2 mdist train --steps 600 --out runs/long");
 
@@ -147,6 +238,7 @@ int main(int argc, char** argv) {
   generate_cmd->add_flag("--greedy", generate.greedy, "Always take the likeliest byte");
   generate_cmd->add_option("--seed", generate.seed, "Sampling seed")->capture_default_str();
   add_tensor_parallel(*generate_cmd, generate.tensor_parallel);
+  add_timeout(*generate_cmd, generate.timeout_s);
   generate_cmd->footer(
       "\nWithout --model: the latest checkpoint of runs/default, else the seeded default model.");
 
@@ -154,22 +246,40 @@ int main(int argc, char** argv) {
   auto* info_cmd =
       app.add_subcommand("info", "Versions, backends, devices, and this job's ranks and groups");
   add_tensor_parallel(*info_cmd, info.tensor_parallel);
+  add_timeout(*info_cmd, info.timeout_s);
 
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& error) {
+  } catch (const CLI::CallForHelp& error) {
     return app.exit(error);
+  } catch (const CLI::CallForAllHelp& error) {
+    return app.exit(error);
+  } catch (const CLI::CallForVersion& error) {
+    return app.exit(error);
+  } catch (const CLI::ParseError& error) {
+    return usage_error(app, error, argc, argv);
   }
 
   const std::string command = app.get_subcommands().front()->get_name();
+  try {
+    // The timeout is read before the job is joined: a bad one is the same on every rank.
+    const std::optional<double> timeout = command == "train"       ? train.io.timeout_s
+                                          : command == "eval"      ? eval.io.timeout_s
+                                          : command == "calibrate" ? calibrate.io.timeout_s
+                                          : command == "generate"  ? generate.timeout_s
+                                                                   : info.timeout_s;
+    (void)setup_options(timeout);
+  } catch (const InputError& error) {
+    return report(command.c_str(), error, 2, launch_rank0());
+  }
   try {
     if (command == "train") return run_train(train);
     if (command == "eval") return run_eval(eval);
     if (command == "calibrate") return run_calibrate(calibrate);
     if (command == "generate") return run_generate(generate);
     return run_info(info);
-  } catch (const AgreedInputError& error) {
-    return report(command.c_str(), error, 2, error.reporter());
+  } catch (const AgreedFailure& error) {
+    return report(command.c_str(), error, error.exit_code(), error.reporter());
   } catch (const InputError& error) {
     return report(command.c_str(), error, 2, true);
   } catch (const std::exception& error) {

@@ -68,4 +68,10 @@ void Progress::finish() {
   drawn_ = false;
 }
 
+void Progress::note(const std::string& text) {
+  finish();
+  std::fprintf(out_, "%s\n", text.c_str());
+  std::fflush(out_);
+}
+
 }  // namespace mdist::cli

@@ -31,6 +31,9 @@ class Progress {
   void update(const StepReport& report);
   // Ends the bar's line (a terminal) so that later output starts on a fresh line.
   void finish();
+  // A line of its own between updates ("held-out loss 2.31 at step 100"); the bar, if any,
+  // is redrawn by the next update.
+  void note(const std::string& text);
   bool on_terminal() const { return terminal_; }
 
  private:

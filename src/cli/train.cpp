@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "mdist/fsdp/state_dict.h"
@@ -14,10 +15,13 @@
 #include "mdist/runtime/runtime.h"
 #include "src/cli/checkpoint.h"
 #include "src/cli/commands.h"
+#include "src/cli/held_out.h"
 #include "src/cli/job.h"
 #include "src/cli/loss_plot.h"
 #include "src/cli/progress.h"
+#include "src/cli/run_dir.h"
 #include "src/cli/schedule.h"
+#include "src/cli/watchdog.h"
 
 namespace mdist::cli {
 namespace {
@@ -85,14 +89,16 @@ std::vector<std::string> metrics_up_to(const fs::path& path, int step) {
   return kept;
 }
 
-std::vector<std::pair<int, double>> loss_points(const fs::path& metrics) {
+// (step, value of `key`) of every metrics line with a numeric `key` (a skipped step's null
+// loss is left out).
+std::vector<std::pair<int, double>> loss_points(const fs::path& metrics, const char* key) {
   std::vector<std::pair<int, double>> points;
   std::ifstream in(metrics);
   std::string line;
   while (std::getline(in, line)) {
     const auto json = nlohmann::json::parse(line, nullptr, false);
-    if (json.is_object() && json.contains("loss")) {
-      points.emplace_back(json.value("step", 0), json.value("loss", 0.0));
+    if (json.is_object() && json.contains(key) && json[key].is_number()) {
+      points.emplace_back(json.value("step", 0), json[key].get<double>());
     }
   }
   return points;
@@ -107,39 +113,90 @@ std::string format_number(const char* fmt, double value) {
 }  // namespace
 
 int run_train(const TrainOptions& o) {
-  const Session session;
+  const Session session(setup_options(o.io.timeout_s));
   configure_threads();
   const int world = size();
   const int tp = o.io.tensor_parallel;
   const int dp = tp >= 1 && world % tp == 0 ? world / tp : world;
   ModelChoice model_choice;
   TokenStream data;
+  std::optional<TokenStream> held_out_data;
   std::optional<fs::path> resume_from;
   std::optional<TrainerState> resumed;
+  bool replace_earlier = false;
   agree_on_inputs([&] {
-    if (o.steps < 1) throw InputError("--steps must be at least 1");
-    if (o.global_batch < 1) throw InputError("--global-batch must be at least 1");
+    check_at_least(o.steps, 1, "--steps");
+    check_at_least(o.global_batch, 1, "--global-batch");
     check_tensor_parallel_size(tp);
     if (o.global_batch % dp != 0) {
       throw InputError("--global-batch " + std::to_string(o.global_batch) +
                        " is not divisible by the data-parallel size " + std::to_string(dp));
     }
-    if (!(o.lr > 0)) throw InputError("--lr must be positive");
-    if (o.warmup < 0) throw InputError("--warmup must not be negative");
+    check_positive(o.lr, "--lr");
+    if (!(o.min_lr_ratio >= 0 && o.min_lr_ratio <= 1)) {
+      throw InputError(
+          "--min-lr-ratio must be in [0, 1] (the end of the cosine decay as a "
+          "fraction of --lr), got " +
+          flag_value(o.min_lr_ratio));
+    }
+    check_at_least(o.warmup, 0, "--warmup");
+    check_non_negative(o.weight_decay, "--weight-decay");
+    check_non_negative(o.grad_clip, "--grad-clip (0: no clipping)");
+    check_at_least(o.save_every, 0, "--save-every");
+    check_at_least(o.keep, 1, "--keep");
+    check_at_least(o.log_every, 1, "--log-every");
+    if (o.eval_every) check_at_least(*o.eval_every, 0, "--eval-every");
+    check_at_least(o.eval_max_sequences, 0, "--eval-max-sequences");
+    check_non_negative(o.watchdog_s, "--watchdog");
+    if (o.resume && o.io.model_dir) {
+      throw InputError("--resume continues from the last checkpoint of '" + o.out.string() +
+                       "', which is the model; --model cannot be given with it");
+    }
+    if (o.resume && o.overwrite) throw InputError("--resume and --overwrite exclude each other");
     check_writable_dir(o.out, "output directory");
+    RunLock::check_free(o.out);
     if (o.resume) {
       resume_from = latest_checkpoint(o.out);
       if (!resume_from) {
         throw InputError("--resume: no checkpoint in '" + (o.out / "checkpoints").string() + "'");
       }
       resumed = read_trainer_state(*resume_from);
+    } else if (const auto earlier = earlier_run(o.out)) {
+      if (!o.overwrite) {
+        throw InputError("output directory '" + o.out.string() + "' holds an earlier run (" +
+                         *earlier + "); pass --resume to continue it or --overwrite to replace it");
+      }
+      if (o.io.model_dir && is_within(*o.io.model_dir, o.out)) {
+        throw InputError("--model '" + o.io.model_dir->string() + "' is inside '" + o.out.string() +
+                         "', the run --overwrite would replace; copy it elsewhere first");
+      }
+      replace_earlier = true;
     }
-    // A resumed run's model is its checkpoint (an HF directory), whatever --model says.
+    // A resumed run's model is its checkpoint (an HF directory).
     model_choice = resume_from      ? model_from_dir(*resume_from)
                    : o.io.model_dir ? model_from_dir(*o.io.model_dir)
                                     : default_model();
     check_tensor_parallel(tp, model_choice.config);
     data = load_checked_data(o.io, DataSplit::train, model_choice, "train");
+    if (o.eval_every.value_or(1) > 0) {
+      if (o.eval_data) {
+        ModelDataOptions held = o.io;
+        held.data = o.eval_data;
+        held.split = "all";
+        held_out_data = load_checked_data(held, DataSplit::all, model_choice, "train --eval-data");
+      } else if (const bool train_split =
+                     o.io.split == "train" || (o.io.split == "auto" && !o.io.data);
+                 train_split) {
+        ModelDataOptions held = o.io;
+        held.split = "eval";
+        held_out_data =
+            load_checked_data(held, DataSplit::eval, model_choice, "train (eval split)");
+      } else if (o.eval_every) {
+        throw InputError(
+            "--eval-every needs held-out data: --eval-data FILE, or --split train "
+            "(the held-out part is then the last 10% of --data)");
+      }
+    }
     if (resumed) {
       check_resume_flags(resumed->run, run_flags(o, data, model_choice), *resume_from);
       model_choice.description = resume_from->string() + " (resumed)";
@@ -147,11 +204,21 @@ int run_train(const TrainOptions& o) {
         throw InputError("--resume: the checkpoint is at step " + std::to_string(resumed->step) +
                          ", not before --steps " + std::to_string(o.steps));
       }
+      check_optimizer_state(*resume_from, model_choice.config, resumed->step);
     }
   });
+  // The run directory is this job's from here on (rank 0 holds the lock; a second job into
+  // the same directory gets one line naming this one's pid).
+  std::unique_ptr<RunLock> lock;
+  agree_on_inputs([&] {
+    if (rank() == 0) lock = std::make_unique<RunLock>(o.out);
+  });
+  if (rank() == 0 && replace_earlier) remove_earlier_run(o.out);
 
   const Windows windows(data, o.io.seq_len, "train");
   WindowOrder order(windows.count(), o.io.seed);
+  std::optional<Windows> held_out;
+  if (held_out_data) held_out.emplace(*held_out_data, o.io.seq_len, "train (held out)");
   const ParallelState parallel = make_layout(tp);
   const int dp_rank = parallel.data_parallel_group.rank();
   hf::CausalLM model = build_wrapped_model(model_choice, o.io.seed, parallel);
@@ -168,6 +235,7 @@ int run_train(const TrainOptions& o) {
     load_training_checkpoint(*resume_from, model, *optimizer, *resumed, parallel);
     state.step = resumed->step;
     state.sequences_seen = resumed->sequences_seen;
+    state.skipped_steps = resumed->skipped_steps;
     if (rank() == 0) earlier_metrics = metrics_up_to(metrics_path, state.step);
   }
   std::ofstream metrics;
@@ -184,13 +252,29 @@ int run_train(const TrainOptions& o) {
       std::to_string(o.global_batch) + " (" + std::to_string(o.global_batch / dp) +
       " per data-parallel rank), steps " + std::to_string(state.step + 1) + ".." +
       std::to_string(o.steps) + (resumed ? " (resumed from " + resume_from->string() + ")" : ""));
+  say(held_out ? "mdist train: held-out loss on " + held_out_data->description + " (" +
+                     std::to_string(o.eval_max_sequences > 0
+                                        ? std::min(o.eval_max_sequences, held_out->count())
+                                        : held_out->count()) +
+                     " sequences) " +
+                     (o.eval_every ? "every " + std::to_string(*o.eval_every) + " steps"
+                                   : std::string("at each checkpoint"))
+               : std::string("mdist train: no held-out loss (") +
+                     (o.eval_every ? "--eval-every 0"
+                                   : "no held-out data: --eval-data or --split train") +
+                     ")");
 
   Progress progress(stdout, o.log_every);
   const int64_t local_batch = o.global_batch / dp;
   const int64_t T = o.io.seq_len;
+  // --grad-clip 0: no clipping (the norm is still measured, for the log and the finiteness
+  // check).
+  const double max_norm = o.grad_clip > 0 ? o.grad_clip : std::numeric_limits<double>::infinity();
+  StepWatchdog watchdog(std::chrono::milliseconds(static_cast<int64_t>(o.watchdog_s * 1000)));
   const auto started = std::chrono::steady_clock::now();
   int steps_here = 0;
   for (int step = state.step + 1; step <= o.steps; ++step) {
+    watchdog.reached(step);
     const auto step_began = std::chrono::steady_clock::now();
     // This rank's slice of the step's global batch.
     std::vector<int64_t> which;
@@ -206,15 +290,13 @@ int run_train(const TrainOptions& o) {
     // whole vocabulary's (vocab-parallel cross entropy), the same on every rank of the group.
     const at::Tensor loss = hf::causal_lm_loss(model, logits, ids);
     loss.backward();
-    const double grad_norm = hf::clip_grad_norm_(model, o.grad_clip);
-    optimizer->step();
-    state.step = step;
-    state.sequences_seen += o.global_batch;
+    const double grad_norm = hf::clip_grad_norm_(model, max_norm);
 
-    // One small all-gather per step for the log: each rank's (loss, peak RSS). Every rank's
-    // batch has the same number of tokens, so the mean of the ranks' means is the global
-    // batch's mean loss (the tensor-parallel ranks of a data-parallel rank repeat its loss,
-    // each as many times).
+    // One small all-gather per step, before the update: each rank's (loss, peak RSS). Every
+    // rank's batch has the same number of tokens, so the mean of the ranks' means is the
+    // global batch's mean loss (the tensor-parallel ranks of a data-parallel rank repeat its
+    // loss, each as many times). The loss and the global gradient norm are the same on every
+    // rank, so every rank takes the same decision on a non-finite step.
     const auto reports = allgather(std::pair{loss.item<double>(), peak_rss_mib()});
     double mean_loss = 0;
     std::vector<double> peaks;
@@ -222,19 +304,45 @@ int run_train(const TrainOptions& o) {
       mean_loss += rank_loss / world;
       peaks.push_back(peak);
     }
+    const bool finite = std::isfinite(mean_loss) && std::isfinite(grad_norm);
+    if (!finite && !o.skip_nonfinite) {
+      progress.finish();
+      const auto last = latest_checkpoint(o.out);
+      throw AgreedFailure(
+          "step " + std::to_string(step) + ": the " +
+              (std::isfinite(mean_loss) ? "gradient norm is " + flag_value(grad_norm)
+                                        : "loss is " + flag_value(mean_loss)) +
+              "; stopped before the optimizer step, nothing saved (" +
+              (last ? "the last checkpoint is " + last->string() : std::string("no checkpoint")) +
+              "). Lower --lr, or pass --skip-nonfinite-steps to skip such steps",
+          rank() == 0, 1);
+    }
+    if (finite) {
+      optimizer->step();
+    } else {
+      ++state.skipped_steps;  // the batch is consumed, the weights and moments are unchanged
+    }
+    state.step = step;
+    state.sequences_seen += o.global_batch;
     const double step_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_began).count();
     ++steps_here;
     if (rank() == 0) {
-      const nlohmann::json line = {
+      nlohmann::json line = {
           {"step", step},
-          {"loss", mean_loss},
+          // JSON has no NaN or infinity: a non-finite value is null.
+          {"loss", std::isfinite(mean_loss) ? nlohmann::json(mean_loss) : nlohmann::json(nullptr)},
           {"lr", lr},
           {"tokens_per_s", static_cast<double>(o.global_batch * T) / step_s},
           {"step_time_s", step_s},
-          {"grad_norm", grad_norm},
+          {"grad_norm",
+           std::isfinite(grad_norm) ? nlohmann::json(grad_norm) : nlohmann::json(nullptr)},
           {"peak_rss_mib", peaks},
       };
+      if (o.skip_nonfinite) {
+        line["skipped"] = !finite;
+        line["skipped_steps"] = state.skipped_steps;
+      }
       metrics << line.dump() << '\n' << std::flush;
       progress.update(
           {.step = step,
@@ -247,25 +355,39 @@ int run_train(const TrainOptions& o) {
            .steps_done_here = steps_here,
            .peak_rss_mib = peaks});
     }
-    if (!std::isfinite(mean_loss)) {
-      progress.finish();
-      throw Error("mdist train: the loss is not finite at step " + std::to_string(step) +
-                  " (lower --lr?)");
+    const bool save = (o.save_every > 0 && step % o.save_every == 0) || step == o.steps;
+    const bool evaluate =
+        held_out && (o.eval_every ? (step % *o.eval_every == 0 || step == o.steps) : save);
+    if (evaluate) {
+      const HeldOutLoss held =
+          held_out_loss(model, *held_out, parallel, local_batch, o.eval_max_sequences);
+      if (rank() == 0) {
+        const nlohmann::json line = {{"step", step},
+                                     {"eval_loss", held.mean()},
+                                     {"eval_perplexity", std::exp(held.mean())},
+                                     {"eval_tokens", held.tokens}};
+        metrics << line.dump() << '\n' << std::flush;
+        progress.note("mdist train: step " + std::to_string(step) + ": held-out loss " +
+                      format_number("%.4f", held.mean()) + ", perplexity " +
+                      format_number("%.3f", std::exp(held.mean())));
+      }
     }
-    if ((o.save_every > 0 && step % o.save_every == 0) || step == o.steps) {
-      save_training_checkpoint(o.out, model, *optimizer, state, o.keep, parallel);
-    }
+    if (save) save_training_checkpoint(o.out, model, *optimizer, state, o.keep, parallel);
   }
   progress.finish();
   if (rank() == 0) {
     metrics.close();
-    const auto points = loss_points(metrics_path);
+    const auto points = loss_points(metrics_path, "loss");
     hf::write_file_atomically(o.out / "loss.svg",
-                              loss_curve_svg(points, "mdist train: " + data.description));
+                              loss_curve_svg(points, "mdist train: " + data.description,
+                                             loss_points(metrics_path, "eval_loss")));
     say("mdist train: done; final loss " +
-        format_number("%.4f", points.empty() ? 0.0 : points.back().second) + ". Wrote " +
-        metrics_path.string() + ", " + (o.out / "loss.svg").string() + " and checkpoint " +
-        (o.out / "checkpoints").string() + "/" + "latest");
+        format_number("%.4f", points.empty() ? 0.0 : points.back().second) +
+        (state.skipped_steps > 0
+             ? " (" + std::to_string(state.skipped_steps) + " non-finite step(s) skipped)"
+             : std::string()) +
+        ". Wrote " + metrics_path.string() + ", " + (o.out / "loss.svg").string() +
+        " and checkpoint " + (o.out / "checkpoints").string() + "/" + "latest");
   }
   return 0;
 }

@@ -11,10 +11,13 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -27,6 +30,7 @@ namespace {
 namespace fs = std::filesystem;
 using mdist::testing::RunResult;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // Small enough for a 2-core machine: 10 steps of 4 sequences of 32 bytes.
 const std::vector<std::string> kQuickTrain = {"--seq-len", "32", "--global-batch", "4",
@@ -68,12 +72,28 @@ class MdistCommand : public ::testing::Test {
     return args;
   }
 
-  static std::vector<nlohmann::json> metrics(const fs::path& run) {
+  // The lines of metrics.jsonl that have `key`: "loss" for the training steps, "eval_loss"
+  // for the held-out evaluations.
+  static std::vector<nlohmann::json> metrics(const fs::path& run, const char* key = "loss") {
     std::vector<nlohmann::json> lines;
     std::ifstream in(run / "metrics.jsonl");
     std::string line;
-    while (std::getline(in, line)) lines.push_back(nlohmann::json::parse(line));
+    while (std::getline(in, line)) {
+      // A line still being written (the run is live) is not valid JSON yet: skipped.
+      auto json = nlohmann::json::parse(line, nullptr, false);
+      if (json.is_object() && json.contains(key)) lines.push_back(std::move(json));
+    }
     return lines;
+  }
+
+  // Every file and directory under `dir` (relative paths), to prove nothing was touched.
+  static std::set<std::string> tree(const fs::path& dir) {
+    std::set<std::string> paths;
+    if (!fs::exists(dir)) return paths;
+    for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+      paths.insert(fs::relative(entry.path(), dir).string());
+    }
+    return paths;
   }
 
   static std::string read(const fs::path& path) {
@@ -232,11 +252,39 @@ TEST_F(MdistCommand, TrainContinuesFromAHuggingFaceDirectory) {
   EXPECT_NEAR(continued, trained, 0.5);
 }
 
-TEST_F(MdistCommand, AFreshRunReplacesAnEarlierRunsCheckpoints) {
+// A fresh run into a directory holding an earlier run is refused (nothing touched); with
+// --overwrite it replaces that run, but never when --model lies inside it.
+TEST_F(MdistCommand, AFreshRunReplacesAnEarlierRunOnlyWithOverwrite) {
   const auto run = dir_ / "run";
   auto r = mdist(1, train_args({"--steps", "6", "--save-every", "2", "--out", run.string()}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
-  r = mdist(1, train_args({"--steps", "2", "--save-every", "2", "--out", run.string()}));
+  const auto before = tree(run);
+  const std::string metrics_before = read(run / "metrics.jsonl");
+  r = mdist(2, train_args({"--steps", "2", "--save-every", "2", "--out", run.string()}));
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist train: error: output directory '" + run.string() +
+                               "' holds an earlier run (metrics.jsonl and 2 checkpoints); pass "
+                               "--resume to continue it or --overwrite to replace it"));
+  EXPECT_THAT(r.err, Not(HasSubstr("[rank1]")));
+  const auto inside = run / "checkpoints" / "step-00000006";
+  r = mdist(1, train_args({"--steps", "2", "--out", run.string(), "--overwrite", "--model",
+                           inside.string()}));
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("mdist train: error: --model '" + inside.string() + "' is inside '" +
+                               run.string() +
+                               "', the run --overwrite would replace; copy it elsewhere first"));
+  r = mdist(1, train_args({"--steps", "2", "--out", run.string(), "--resume", "--model",
+                           inside.string()}));
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err,
+              HasSubstr("mdist train: error: --resume continues from the last checkpoint "
+                        "of '" +
+                        run.string() + "', which is the model; --model cannot be given with it"));
+  EXPECT_EQ(tree(run), before);
+  EXPECT_EQ(read(run / "metrics.jsonl"), metrics_before);
+
+  r = mdist(
+      1, train_args({"--steps", "2", "--save-every", "2", "--out", run.string(), "--overwrite"}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   std::vector<std::string> left;
   for (const auto& entry : fs::directory_iterator(run / "checkpoints")) {
@@ -377,6 +425,10 @@ TEST_P(MdistBadInput, IsOneClearLineAndNoOutput) {
   std::ofstream(dir_ / "short.txt") << "too short";
   std::ofstream(dir_ / "big_id.ids") << "1 2 3 256 4";
   std::ofstream(dir_ / "a_file") << "not a directory";
+  fs::create_directories(dir_ / "heads3");
+  std::ofstream(dir_ / "heads3" / "config.json") << R"({"architectures": ["LlamaForCausalLM"],
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 3, "num_key_value_heads": 3, "vocab_size": 256})";
   std::vector<std::string> args;
   for (std::string arg : bad.args) {
     for (const auto& [key, value] : {std::pair<std::string, std::string>{"DIR", dir_.string()},
@@ -469,6 +521,60 @@ INSTANTIATE_TEST_SUITE_P(
                  4,
                  {"train", "--tp", "2", "--global-batch", "3", "--out", "OUT"},
                  "--global-batch 3 is not divisible by the data-parallel size 2"},
+        BadInput{"HiddenSizeNotAMultipleOfTheHeads",
+                 2,
+                 {"train", "--model", "DIR/heads3", "--out", "OUT"},
+                 "model directory 'DIR/heads3': mdist::hf::LlamaConfig: the hidden size (128) is "
+                 "not a multiple of the number of attention heads (3)"},
+        BadInput{"NegativeGradClip",
+                 2,
+                 {"train", "--grad-clip", "-1", "--out", "OUT"},
+                 "--grad-clip (0: no clipping) must be a finite number >= 0, got -1"},
+        BadInput{"MinLrRatioAboveOne",
+                 2,
+                 {"train", "--min-lr-ratio", "5", "--out", "OUT"},
+                 "--min-lr-ratio must be in [0, 1] (the end of the cosine decay as a fraction of "
+                 "--lr), got 5"},
+        BadInput{"NegativeWeightDecay",
+                 1,
+                 {"train", "--weight-decay", "-0.1", "--out", "OUT"},
+                 "--weight-decay must be a finite number >= 0, got -0.1"},
+        BadInput{"NegativeSaveEvery",
+                 1,
+                 {"train", "--save-every", "-1", "--out", "OUT"},
+                 "--save-every must be at least 0, got -1"},
+        BadInput{"NanLearningRate",
+                 2,
+                 {"train", "--lr", "nan", "--out", "OUT"},
+                 "--lr must be a positive number, got nan"},
+        BadInput{"InfiniteWeightDecay",
+                 1,
+                 {"train", "--weight-decay", "inf", "--out", "OUT"},
+                 "--weight-decay must be a finite number >= 0, got inf"},
+        BadInput{"KeepZero",
+                 1,
+                 {"train", "--keep", "0", "--out", "OUT"},
+                 "--keep must be at least 1, got 0"},
+        BadInput{"NegativeEvalEvery",
+                 1,
+                 {"train", "--eval-every", "-1", "--out", "OUT"},
+                 "--eval-every must be at least 0, got -1"},
+        BadInput{"EvalEveryWithoutHeldOutData",
+                 2,
+                 {"train", "--eval-every", "2", "--split", "all", "--out", "OUT"},
+                 "--eval-every needs held-out data: --eval-data FILE, or --split train"},
+        BadInput{"ZeroTimeout",
+                 2,
+                 {"train", "--timeout", "0", "--out", "OUT"},
+                 "--timeout must be a positive number of seconds, got 0"},
+        BadInput{"InfiniteTemperature",
+                 2,
+                 {"generate", "--temperature", "inf"},
+                 "--temperature must be a positive number (or use --greedy), got inf"},
+        BadInput{"NegativeMaxSequences",
+                 1,
+                 {"calibrate", "--max-sequences", "-1", "--out", "OUT"},
+                 "--max-sequences must be at least 0, got -1"},
         BadInput{"UnwritableCalibrationFile",
                  1,
                  {"calibrate", "--out", "DIR/a_file/calibration.json"},
@@ -540,6 +646,519 @@ TEST_F(MdistCommand, KilledRankEndsTheJobAndLeavesTheLastCheckpointLoadable) {
       mdist(2, train_args({"--steps", std::to_string(std::stoi(latest.substr(5)) + 2),
                            "--save-every", "2", "--out", run.string(), "--resume"}));
   EXPECT_EQ(resumed.exit_code, 0) << describe(resumed);
+}
+
+// --- Issue 13: no silent wrong result. ------------------------------------------------------
+
+// A safetensors file edited in place by the tests (the format: an 8-byte little-endian header
+// length, the JSON header, the data), without libtorch.
+class SafetensorsEdit {
+ public:
+  explicit SafetensorsEdit(const fs::path& path) {
+    const std::string raw = MdistCommand_read(path);
+    std::uint64_t n = 0;
+    std::memcpy(&n, raw.data(), 8);
+    const auto header = nlohmann::json::parse(raw.substr(8, n));
+    const std::string data = raw.substr(8 + n);
+    for (const auto& [name, info] : header.items()) {
+      if (name == "__metadata__") {
+        metadata_ = info;
+        continue;
+      }
+      const auto begin = info["data_offsets"][0].get<std::size_t>();
+      const auto end = info["data_offsets"][1].get<std::size_t>();
+      tensors_[name] = {info["dtype"], info["shape"].get<std::vector<std::int64_t>>(),
+                        data.substr(begin, end - begin)};
+    }
+  }
+  struct Tensor {
+    std::string dtype;
+    std::vector<std::int64_t> shape;
+    std::string bytes;
+  };
+  Tensor& operator[](const std::string& name) { return tensors_.at(name); }
+  std::map<std::string, Tensor>& tensors() { return tensors_; }
+  void erase(const std::string& name) { tensors_.erase(name); }
+  std::vector<float> floats(const std::string& name) const {
+    const auto& t = tensors_.at(name);
+    std::vector<float> values(t.bytes.size() / 4);
+    std::memcpy(values.data(), t.bytes.data(), t.bytes.size());
+    return values;
+  }
+  void write(const fs::path& path) const {
+    nlohmann::json header = nlohmann::json::object();
+    if (!metadata_.is_null()) header["__metadata__"] = metadata_;
+    std::string data;
+    for (const auto& [name, t] : tensors_) {
+      header[name] = {{"dtype", t.dtype},
+                      {"shape", t.shape},
+                      {"data_offsets", {data.size(), data.size() + t.bytes.size()}}};
+      data += t.bytes;
+    }
+    std::string text = header.dump();
+    while (text.size() % 8 != 0) text.push_back(' ');
+    const std::uint64_t n = text.size();
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << text << data;
+  }
+
+ private:
+  static std::string MdistCommand_read(const fs::path& path) {
+    std::ifstream in(path, std::ios::binary);
+    std::ostringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+  nlohmann::json metadata_;
+  std::map<std::string, Tensor> tensors_;
+};
+
+std::string repeat_bytes(const std::string& pattern, std::size_t times) {
+  std::string bytes;
+  for (std::size_t i = 0; i < times; ++i) bytes += pattern;
+  return bytes;
+}
+
+// The number of lines of a job's stderr that report an error.
+int error_lines(const std::string& err) {
+  std::istringstream lines(err);
+  int errors = 0;
+  for (std::string line; std::getline(lines, line);) {
+    errors += line.find(": error: ") != std::string::npos;
+  }
+  return errors;
+}
+
+class MdistChecks : public MdistCommand {
+ protected:
+  // A one-step checkpoint of the default model (config + model.safetensors), copied to `name`.
+  fs::path checkpoint(const std::string& name) {
+    const auto base = dir_ / "base";
+    if (!fs::exists(base)) {
+      const auto r = mdist(1, train_args({"--steps", "1", "--out", (dir_ / "base-run").string()}));
+      EXPECT_EQ(r.exit_code, 0) << describe(r);
+      fs::create_directories(base);
+      for (const char* file : {"config.json", "model.safetensors"}) {
+        fs::copy(dir_ / "base-run" / "checkpoints" / "step-00000001" / file, base / file);
+      }
+    }
+    const auto copy = dir_ / name;
+    fs::remove_all(copy);
+    fs::copy(base, copy, fs::copy_options::recursive);
+    return copy;
+  }
+
+  // Exit code 2, the exact line once from rank 0, and no `out` created.
+  void expect_refused(const RunResult& r, const std::string& command, const std::string& message,
+                      const fs::path& out) {
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist " + command + ": error: " + message)) << r.err;
+    EXPECT_EQ(error_lines(r.err), 1) << r.err;
+    EXPECT_FALSE(fs::exists(out)) << "output left behind: " << out;
+  }
+};
+
+// Tensors larger or otherwise shaped than the config wants, or of a dtype that does not
+// convert, are refused as transformers refuses them, with the full shapes, on every load path
+// of the main job (data parallel, tensor parallel, train and eval), and nothing is written.
+TEST_F(MdistChecks, CheckpointTensorsThatDoNotFitTheConfigAreRefused) {
+  struct Case {
+    std::string name, key, dtype;
+    std::vector<std::int64_t> shape;
+    std::string message;
+  };
+  const std::string norm = "model.layers.0.input_layernorm.weight";
+  const std::vector<Case> cases = {
+      {"embed-rows",
+       "model.embed_tokens.weight",
+       "F32",
+       {1000, 128},
+       "size mismatch for 'model.embed_tokens.weight': copying a param with shape [1000, 128] "
+       "from checkpoint, the shape in current model is [256, 128]"},
+      {"q-rows",
+       "model.layers.0.self_attn.q_proj.weight",
+       "F32",
+       {256, 128},
+       "size mismatch for 'model.layers.0.self_attn.q_proj.weight': copying a param with shape "
+       "[256, 128] from checkpoint, the shape in current model is [128, 128]"},
+      {"norm-long",
+       norm,
+       "F32",
+       {256},
+       "size mismatch for '" + norm +
+           "': copying a param with shape [256] from checkpoint, the shape in current model is "
+           "[128]"},
+      {"norm-2d",
+       norm,
+       "F32",
+       {128, 1},
+       "size mismatch for '" + norm +
+           "': copying a param with shape [128, 1] from checkpoint, the shape in current model is "
+           "[128]"},
+      {"norm-int",
+       norm,
+       "I32",
+       {128},
+       "'" + norm +
+           "' is stored as I32; only floating-point tensors convert to the model's float32 "
+           "parameters"},
+  };
+  for (const auto& c : cases) {
+    const auto dir = checkpoint(c.name);
+    SafetensorsEdit file(dir / "model.safetensors");
+    std::int64_t numel = 1;
+    for (const auto d : c.shape) numel *= d;
+    file[c.key] = {c.dtype, c.shape, std::string(static_cast<std::size_t>(numel) * 4, '\0')};
+    file.write(dir / "model.safetensors");
+    const std::string message = "model directory '" + dir.string() + "': " + c.message;
+    const auto out = dir_ / "out";
+    expect_refused(mdist(2, {"eval", "--model", dir.string(), "--out", (out / "e.json").string()}),
+                   "eval", message, out);
+    expect_refused(mdist(2, {"eval", "--model", dir.string(), "--tp", "2", "--out",
+                             (out / "e.json").string()}),
+                   "eval", message, out);
+    expect_refused(mdist(1, train_args({"--model", dir.string(), "--out", out.string()})), "train",
+                   message, out);
+  }
+}
+
+// Norm weights of 1 stored as float8 (E4M3), bfloat16 or float16 convert exactly: the same
+// loss as float32 ones.
+TEST_F(MdistChecks, FloatingPointCheckpointDtypesConvertExactly) {
+  std::vector<double> losses;
+  for (const auto& [dtype, one] :
+       std::vector<std::pair<std::string, std::string>>{{"F32", std::string("\x00\x00\x80\x3f", 4)},
+                                                        {"F8_E4M3", std::string("\x38", 1)},
+                                                        {"BF16", std::string("\x80\x3f", 2)},
+                                                        {"F16", std::string("\x00\x3c", 2)}}) {
+    const auto dir = checkpoint("norm-" + dtype);
+    SafetensorsEdit file(dir / "model.safetensors");
+    for (auto& [name, t] : file.tensors()) {
+      if (name.find("norm.weight") != std::string::npos)
+        t = {dtype, t.shape, repeat_bytes(one, 128)};
+    }
+    file.write(dir / "model.safetensors");
+    const auto json = dir_ / ("eval-" + dtype + ".json");
+    const auto r =
+        mdist(1, {"eval", "--model", dir.string(), "--seq-len", "32", "--out", json.string()});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    losses.push_back(nlohmann::json::parse(read(json))["loss"]);
+  }
+  for (std::size_t i = 1; i < losses.size(); ++i) EXPECT_EQ(losses[i], losses[0]) << i;
+}
+
+// A bfloat16 checkpoint trains in float32 and is saved with a config that says so: the
+// config's dtype and the tensors' always agree.
+TEST_F(MdistChecks, SavedConfigNamesTheDtypeOfTheSavedTensors) {
+  const auto dir = checkpoint("bf16");
+  SafetensorsEdit file(dir / "model.safetensors");
+  for (auto& [name, t] : file.tensors()) {
+    std::string bf16;
+    for (std::size_t i = 0; i < t.bytes.size(); i += 4) bf16 += t.bytes.substr(i + 2, 2);
+    t = {"BF16", t.shape, bf16};
+  }
+  file.write(dir / "model.safetensors");
+  auto config = nlohmann::json::parse(read(dir / "config.json"));
+  config["torch_dtype"] = "bfloat16";
+  std::ofstream(dir / "config.json") << config.dump(2);
+  const auto run = dir_ / "run";
+  const auto r =
+      mdist(1, train_args({"--model", dir.string(), "--steps", "1", "--out", run.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const auto saved = run / "checkpoints" / "step-00000001";
+  EXPECT_EQ(nlohmann::json::parse(read(saved / "config.json"))["torch_dtype"], "float32");
+  SafetensorsEdit written(saved / "model.safetensors");
+  for (auto& [name, t] : written.tensors()) EXPECT_EQ(t.dtype, "F32") << name;
+}
+
+// A non-finite loss or gradient norm stops the run before the optimizer step: nothing saved,
+// nothing pruned, one line. With --skip-nonfinite-steps the step is skipped (the weights stay
+// as they were) and counted.
+TEST_F(MdistChecks, ANonFiniteStepStopsBeforeTheUpdateOrIsSkippedOnRequest) {
+  const auto run = dir_ / "run";
+  const auto args = train_args(
+      {"--lr", "1e30", "--warmup", "0", "--steps", "4", "--save-every", "1", "--keep", "5"});
+  auto r = mdist(2, with(args, {"--out", run.string()}));
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist train: error: step 2: the "));
+  EXPECT_THAT(r.err, HasSubstr("; stopped before the optimizer step, nothing saved (the last "
+                               "checkpoint is " +
+                               (run / "checkpoints" / "step-00000001").string() +
+                               "). Lower --lr, or pass --skip-nonfinite-steps to skip such steps"));
+  EXPECT_EQ(error_lines(r.err), 1) << r.err;
+  std::set<std::string> checkpoints;
+  for (const auto& entry : fs::directory_iterator(run / "checkpoints")) {
+    checkpoints.insert(entry.path().filename().string());
+  }
+  EXPECT_EQ(checkpoints, (std::set<std::string>{"latest", "step-00000001"}));
+  EXPECT_EQ(read(run / "checkpoints" / "latest"), "step-00000001\n");
+
+  const auto skipping = dir_ / "skipping";
+  r = mdist(2, with(args, {"--out", skipping.string(), "--skip-nonfinite-steps"}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const auto steps = metrics(skipping);
+  ASSERT_EQ(steps.size(), 4u);
+  EXPECT_FALSE(steps[0]["skipped"].get<bool>());
+  EXPECT_TRUE(steps[1]["skipped"].get<bool>());
+  EXPECT_EQ(steps[3]["skipped_steps"], 3);
+  const auto ckpt = skipping / "checkpoints";
+  EXPECT_EQ(read(ckpt / "step-00000004" / "model.safetensors"),
+            read(ckpt / "step-00000001" / "model.safetensors"));
+  EXPECT_EQ(
+      nlohmann::json::parse(read(ckpt / "step-00000004" / "trainer_state.json"))["skipped_steps"],
+      3);
+}
+
+// A second run into a directory a run is writing gets one line naming the first's pid.
+TEST_F(MdistChecks, ASecondRunIntoTheSameDirectoryIsKeptOut) {
+  const auto run = dir_ / "run";
+  std::vector<std::string> argv = {MDIST_LAUNCHER, "--nproc-per-node", "1", MDIST_CLI};
+  for (const auto& a :
+       train_args({"--steps", "100000", "--save-every", "0", "--out", run.string()}))
+    argv.push_back(a);
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+  pid_t first = 0;
+  ASSERT_EQ(posix_spawn(&first, argv[0].c_str(), &actions, nullptr, cargv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(run / "metrics.jsonl") && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const auto r = mdist(2, train_args({"--steps", "2", "--out", run.string(), "--overwrite"}));
+  kill(first, SIGTERM);
+  int status = 0;
+  waitpid(first, &status, 0);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist train: error: output directory '" + run.string() +
+                               "' is in use by another run (pid "));
+  EXPECT_EQ(error_lines(r.err), 1) << r.err;
+  EXPECT_FALSE(fs::exists(run / "checkpoints")) << "the second run wrote";
+}
+
+// A hand-edited or damaged checkpoint is refused by --resume with one line naming the file,
+// before anything is loaded or removed.
+TEST_F(MdistChecks, ResumeValidatesTheTrainerStateAndTheOptimizerFiles) {
+  const auto original = dir_ / "original";
+  auto r = mdist(2, train_args({"--steps", "4", "--save-every", "2", "--out", original.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  struct Case {
+    std::string name;
+    std::function<void(const fs::path&)> damage;
+    std::string message;
+  };
+  const auto edit_state = [](const std::function<void(nlohmann::json&)>& edit) {
+    return [edit](const fs::path& ckpt) {
+      auto state = nlohmann::json::parse(read(ckpt / "trainer_state.json"));
+      edit(state);
+      std::ofstream(ckpt / "trainer_state.json") << state.dump(2);
+    };
+  };
+  const std::vector<Case> cases = {
+      {"negative-step", edit_state([](auto& s) { s["step"] = -1; }),
+       "trainer_state.json': step -1 is not a step (>= 1)"},
+      {"step-not-the-directorys", edit_state([](auto& s) { s["step"] = 9; }),
+       "trainer_state.json': step 9 is not the directory's (step-00000004)"},
+      {"data-position", edit_state([](auto& s) { s["sequences_seen"] = 7; }),
+       "trainer_state.json': sequences_seen 7 is not step 4 x global_batch 4"},
+      {"layout", edit_state([](auto& s) { s["tensor_parallel"] = 3; }),
+       "trainer_state.json': world_size 2 and tensor_parallel 3 are not a layout"},
+      {"rng", edit_state([](auto& s) { s["cpu_rng_state"] = "abcd"; }),
+       "trainer_state.json': cpu_rng_state is not a state of this libtorch's CPU generator"},
+      {"truncated-optimizer",
+       [](const fs::path& ckpt) {
+         const auto file = ckpt / "optimizer" / "rank-00001-of-00002.safetensors";
+         fs::resize_file(file, fs::file_size(file) / 2);
+       },
+       "optimizer state file '"},
+      {"missing-optimizer",
+       [](const fs::path& ckpt) {
+         fs::remove(ckpt / "optimizer" / "rank-00001-of-00002.safetensors");
+       },
+       "optimizer state for '"},
+  };
+  for (const auto& c : cases) {
+    const auto run = dir_ / c.name;
+    fs::copy(original, run, fs::copy_options::recursive);
+    c.damage(run / "checkpoints" / "step-00000004");
+    const auto before = tree(run);
+    r = mdist(2,
+              train_args({"--steps", "6", "--save-every", "2", "--out", run.string(), "--resume"}));
+    EXPECT_EQ(r.exit_code, 2) << c.name << "\n" << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist train: error: ")) << c.name;
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << c.name;
+    EXPECT_EQ(error_lines(r.err), 1) << c.name << "\n" << r.err;
+    EXPECT_EQ(tree(run), before) << c.name;
+  }
+}
+
+// A checkpoint that cannot be written (here: a file-size limit, as a full disk) ends the run
+// with one line; no partial hidden directory is left and `latest` still names the last good one.
+TEST_F(MdistChecks, ACheckpointThatCannotBeWrittenLeavesNoPartialDirectory) {
+  const auto run = dir_ / "run";
+  auto r = mdist(2, train_args({"--steps", "2", "--save-every", "2", "--out", run.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  std::string command = "trap '' XFSZ; ulimit -f 512; exec " + std::string(MDIST_LAUNCHER) +
+                        " --nproc-per-node 2 " + MDIST_CLI;
+  for (const auto& a :
+       train_args({"--steps", "4", "--save-every", "2", "--out", run.string(), "--resume"})) {
+    command += " " + a;
+  }
+  mdist::testing::RunOptions options;
+  options.env["OMP_NUM_THREADS"] = "1";
+  options.timeout = std::chrono::seconds(240);
+  r = mdist::testing::run({"/bin/bash", "-c", command}, options);
+  EXPECT_NE(r.exit_code, 0) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist train: error: cannot write checkpoint " +
+                               (run / "checkpoints" / "step-00000004").string()));
+  EXPECT_THAT(r.err, HasSubstr("; the previous checkpoint is kept"));
+  EXPECT_EQ(error_lines(r.err), 1) << r.err;
+  std::set<std::string> left;
+  for (const auto& entry : fs::directory_iterator(run / "checkpoints")) {
+    left.insert(entry.path().filename().string());
+  }
+  EXPECT_EQ(left, (std::set<std::string>{"latest", "step-00000002"}));
+  EXPECT_EQ(read(run / "checkpoints" / "latest"), "step-00000002\n");
+}
+
+// A tied head is a Linear in transformers: calibrate reports it as lm_head, its input the
+// final norm's output (the same as the untied model's head input) and its weight the
+// embedding's maximum, on one rank and split over two.
+TEST_F(MdistChecks, CalibrateReportsATiedHeadUnderItsHuggingFaceName) {
+  const auto untied = checkpoint("untied");
+  const auto tied = checkpoint("tied");
+  SafetensorsEdit file(tied / "model.safetensors");
+  float embed_max = 0;
+  for (const float v : file.floats("model.embed_tokens.weight"))
+    embed_max = std::max(embed_max, std::abs(v));
+  file.erase("lm_head.weight");
+  file.write(tied / "model.safetensors");
+  auto config = nlohmann::json::parse(read(tied / "config.json"));
+  config["tie_word_embeddings"] = true;
+  std::ofstream(tied / "config.json") << config.dump(2);
+  const auto calibrate = [&](const fs::path& model, int ranks, const std::string& tp) {
+    const auto out = dir_ / ("calibration-" + model.filename().string() + tp + ".json");
+    const auto r = mdist(ranks, {"calibrate", "--model", model.string(), "--seq-len", "32",
+                                 "--max-sequences", "4", "--tp", tp, "--out", out.string()});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return nlohmann::json::parse(read(out))["modules"];
+  };
+  const auto reference = calibrate(untied, 1, "1");
+  for (const auto& [ranks, tp] : std::vector<std::pair<int, std::string>>{{1, "1"}, {2, "2"}}) {
+    const auto modules = calibrate(tied, ranks, tp);
+    ASSERT_TRUE(modules.contains("lm_head")) << modules.dump();
+    EXPECT_EQ(modules.size(), reference.size());
+    EXPECT_NEAR(modules["lm_head"]["input_absmax"].get<double>(),
+                reference["lm_head"]["input_absmax"].get<double>(),
+                1e-6 * reference["lm_head"]["input_absmax"].get<double>());
+    EXPECT_EQ(modules["lm_head"]["weight_absmax"].get<double>(), static_cast<double>(embed_max));
+  }
+}
+
+// --eval-every K logs the held-out loss (the embedded corpus' eval split) at every K steps; it
+// is the loss `mdist eval` gives for that step's checkpoint, and the same on 1 and 2 ranks.
+TEST_F(MdistChecks, TrainLogsTheHeldOutLossItsCheckpointsEvaluateTo) {
+  std::vector<std::vector<nlohmann::json>> runs;
+  for (const int ranks : {1, 2}) {
+    const auto run = dir_ / ("np" + std::to_string(ranks));
+    const auto r =
+        mdist(ranks, train_args({"--steps", "4", "--save-every", "2", "--keep", "5", "--eval-every",
+                                 "2", "--eval-max-sequences", "0", "--out", run.string()}));
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_THAT(r.out, HasSubstr("held-out loss"));
+    runs.push_back(metrics(run, "eval_loss"));
+    ASSERT_EQ(runs.back().size(), 2u);
+    EXPECT_EQ(runs.back()[0]["step"], 2);
+    EXPECT_THAT(read(run / "loss.svg"), HasSubstr("held out"));
+  }
+  for (std::size_t i = 0; i < 2; ++i) {
+    const double a = runs[0][i]["eval_loss"], b = runs[1][i]["eval_loss"];
+    EXPECT_NEAR(b, a, 1e-6 * a);
+  }
+  const auto json = dir_ / "eval.json";
+  const auto r =
+      mdist(1, {"eval", "--model", (dir_ / "np1" / "checkpoints" / "step-00000002").string(),
+                "--seq-len", "32", "--out", json.string()});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const double evaluated = nlohmann::json::parse(read(json))["loss"];
+  EXPECT_NEAR(runs[0][0]["eval_loss"].get<double>(), evaluated, 1e-6 * evaluated);
+}
+
+// Usage errors: exit code 2 and one line (from rank 0 only), a mistyped subcommand gets the
+// nearest one; eval --out into directories that do not exist yet creates them.
+TEST_F(MdistChecks, UsageErrorsAreOneLineWithExitCodeTwo) {
+  auto r = mdist(2, {"trian"});
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err,
+              HasSubstr("[rank0]: mdist: error: unknown subcommand 'trian' (did you mean "
+                        "'train'?); the subcommands are train, eval, calibrate, generate, info"));
+  EXPECT_EQ(error_lines(r.err), 1) << r.err;
+  r = mdist(2, {"train", "--no-such-flag"});
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist train: error: The following argument was not "
+                               "expected: --no-such-flag"));
+  EXPECT_EQ(error_lines(r.err), 1) << r.err;
+  r = mdist(1, {});
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  const auto nested = dir_ / "no" / "such" / "dir" / "e.json";
+  r = mdist(1, {"eval", "--seq-len", "32", "--out", nested.string()});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(fs::exists(nested));
+}
+
+// --timeout bounds how long the others wait for a stopped rank: the job ends, non-zero, well
+// before torch's 30-minute default; before that the watchdog on rank 0 names the rank.
+TEST_F(MdistChecks, TimeoutEndsAJobWhoseRankStoppedAndTheWatchdogNamesIt) {
+  const auto run = dir_ / "run";
+  std::vector<std::string> argv = {MDIST_LAUNCHER, "--nproc-per-node", "2", MDIST_CLI};
+  for (const auto& a : train_args({"--steps", "100000", "--save-every", "0", "--timeout", "8",
+                                   "--watchdog", "1", "--out", run.string()}))
+    argv.push_back(a);
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  const auto log = (dir_ / "job.log").string();
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  pid_t launcher = 0;
+  ASSERT_EQ(posix_spawn(&launcher, argv[0].c_str(), &actions, nullptr, cargv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (metrics(run).size() < 3 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  pid_t victim = 0;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string pid = entry.path().filename();
+    if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string field;
+    for (int i = 0; i < 4 && stat >> field; ++i) {
+    }
+    if (field != std::to_string(launcher)) continue;
+    if (read(entry.path() / "environ").find(std::string("\0RANK=1\0", 8)) != std::string::npos) {
+      victim = static_cast<pid_t>(std::stoi(pid));
+    }
+  }
+  ASSERT_GT(victim, 0) << read(dir_ / "job.log");
+  const auto stopped = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(victim, SIGSTOP), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
+  const auto waited = std::chrono::steady_clock::now() - stopped;
+  kill(victim, SIGKILL);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << read(dir_ / "job.log");
+  EXPECT_LT(waited, std::chrono::seconds(90)) << read(dir_ / "job.log");
+  EXPECT_THAT(read(dir_ / "job.log"),
+              HasSubstr("[rank0]: mdist train: watchdog: rank 1 has given no sign of life for "));
 }
 
 }  // namespace

@@ -3,14 +3,18 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 
 #include "src/cli/input_error.h"
 #include "src/cli/loss_plot.h"
 #include "src/cli/progress.h"
+#include "src/cli/run_dir.h"
 #include "src/cli/schedule.h"
 #include "src/cli/token_data.h"
 
@@ -159,6 +163,56 @@ TEST(Progress, LineShowsStepLossSpeedEtaAndEachRanksPeakMemory) {
   EXPECT_EQ(mdist::cli::progress_line(report, true),
             "step 30/120 [######..................]  25% | loss 2.3457 | lr 2.90e-03 | 5123 tok/s "
             "| ETA 0:45 | peak MiB 812 791");
+}
+
+TEST(RunDir, TheLockKeepsASecondHolderOutAndIsFreedWithItsHolder) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("mdist-run-dir-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  mdist::cli::RunLock::check_free(dir);  // no directory: free, and nothing created
+  EXPECT_FALSE(std::filesystem::exists(dir));
+  {
+    const mdist::cli::RunLock lock(dir);
+    // Another process is kept out, with the holder's pid in the message.
+    const pid_t child = fork();
+    if (child == 0) {
+      try {
+        mdist::cli::RunLock::check_free(dir);
+        _exit(1);
+      } catch (const InputError& error) {
+        _exit(std::string(error.what()).find("pid " + std::to_string(getppid())) !=
+                      std::string::npos
+                  ? 0
+                  : 2);
+      }
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  }
+  mdist::cli::RunLock::check_free(dir);  // released with its holder
+  std::filesystem::remove_all(dir);
+}
+
+TEST(RunDir, AnEarlierRunIsItsMetricsOrCheckpoints) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("mdist-earlier-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "checkpoints");
+  std::ofstream(dir / "notes.txt") << "mine";
+  EXPECT_FALSE(mdist::cli::earlier_run(dir));
+  std::filesystem::create_directories(dir / "checkpoints" / "step-00000002");
+  EXPECT_EQ(mdist::cli::earlier_run(dir), "1 checkpoint");
+  std::ofstream(dir / "metrics.jsonl") << "{}\n";
+  EXPECT_EQ(mdist::cli::earlier_run(dir), "metrics.jsonl and 1 checkpoint");
+  mdist::cli::remove_earlier_run(dir);
+  EXPECT_FALSE(mdist::cli::earlier_run(dir));
+  EXPECT_TRUE(std::filesystem::exists(dir / "notes.txt"));  // what a run did not write stays
+  EXPECT_TRUE(mdist::cli::is_within(dir / "checkpoints" / ".." / "x", dir));
+  EXPECT_TRUE(mdist::cli::is_within(dir, dir.string() + "/"));
+  EXPECT_FALSE(mdist::cli::is_within(dir.string() + "-other", dir));
+  EXPECT_FALSE(mdist::cli::is_within(dir / "..", dir));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
