@@ -170,7 +170,20 @@ hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
   if (choice.dir) {
     hf::Fsdp2LoadOptions options;
     options.parallel = parallel;
-    return hf::load_pretrained_fsdp2(*choice.dir, options);
+    hf::CausalLM model = hf::load_pretrained_fsdp2(*choice.dir, options);
+    // A NaN or infinite weight makes every number after it meaningless (exit code 0 with a
+    // "loss nan"): each rank checks the values it holds, and the ranks agree, so that the job
+    // ends with one line before any output exists.
+    agree_on_inputs([&] {
+      const torch::NoGradGuard no_grad;
+      for (const auto& item : model->named_parameters()) {
+        if (!at::isfinite(item.value()).all().item<bool>()) {
+          throw InputError("model directory '" + choice.dir->string() + "': '" + item.key() +
+                           "' holds non-finite values (nan or inf)");
+        }
+      }
+    });
+    return model;
   }
   hf::CausalLM model(choice.config);
   const auto config = nlohmann::json::parse(choice.config.source_json, nullptr, false);

@@ -65,6 +65,8 @@ ModelChoice model_for_inference(const std::optional<std::filesystem::path>& dir,
 // initialisation (normal(0, initializer_range) for Linear and Embedding weights,
 // ones for norms, zeros for biases), identical on every rank for a given seed whatever the world
 // size.
+// A checkpoint holding a non-finite value is refused (AgreedInputError naming the tensor), before
+// the caller has written anything.
 // With a tensor-parallel group in `parallel`, the model is split over it first
 // (hf::parallelize; a checkpoint is read by slice) and sharded over its data-parallel group.
 hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,

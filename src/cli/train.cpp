@@ -207,14 +207,6 @@ int run_train(const TrainOptions& o) {
       check_optimizer_state(*resume_from, model_choice.config, resumed->step);
     }
   });
-  // The run directory is this job's from here on (rank 0 holds the lock; a second job into
-  // the same directory gets one line naming this one's pid).
-  std::unique_ptr<RunLock> lock;
-  agree_on_inputs([&] {
-    if (rank() == 0) lock = std::make_unique<RunLock>(o.out);
-  });
-  if (rank() == 0 && replace_earlier) remove_earlier_run(o.out);
-
   const Windows windows(data, o.io.seq_len, "train");
   WindowOrder order(windows.count(), o.io.seed);
   std::optional<Windows> held_out;
@@ -222,6 +214,14 @@ int run_train(const TrainOptions& o) {
   const ParallelState parallel = make_layout(tp);
   const int dp_rank = parallel.data_parallel_group.rank();
   hf::CausalLM model = build_wrapped_model(model_choice, o.io.seed, parallel);
+  // The run directory is this job's from here on (rank 0 holds the lock; a second job into
+  // the same directory gets one line naming this one's pid). Taken once the model is known to
+  // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.
+  std::unique_ptr<RunLock> lock;
+  agree_on_inputs([&] {
+    if (rank() == 0) lock = std::make_unique<RunLock>(o.out);
+  });
+  if (rank() == 0 && replace_earlier) remove_earlier_run(o.out);
   model->train();
   auto optimizer = make_optimizer(model, o);
   const LrSchedule schedule{o.lr, o.warmup, o.steps, o.min_lr_ratio};

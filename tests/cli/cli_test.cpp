@@ -804,6 +804,22 @@ TEST_F(MdistChecks, CheckpointTensorsThatDoNotFitTheConfigAreRefused) {
            "' is stored as I32; only floating-point tensors convert to the model's float32 "
            "parameters"},
   };
+  // A NaN value: the same refusal, named by the rank that holds it.
+  {
+    const auto dir = checkpoint("nan");
+    SafetensorsEdit file(dir / "model.safetensors");
+    auto& down = file["model.layers.3.mlp.down_proj.weight"];
+    down.bytes.replace(down.bytes.size() - 4, 4, std::string("\x00\x00\xc0\x7f", 4));
+    file.write(dir / "model.safetensors");
+    const auto out = dir_ / "out";
+    const std::string message = "model directory '" + dir.string() +
+                                "': 'model.layers.3.mlp.down_proj.weight' holds non-finite "
+                                "values (nan or inf)";
+    expect_refused(mdist(2, {"eval", "--model", dir.string(), "--out", (out / "e.json").string()}),
+                   "eval", message, out);
+    expect_refused(mdist(2, train_args({"--model", dir.string(), "--out", out.string()})), "train",
+                   message, out);
+  }
   for (const auto& c : cases) {
     const auto dir = checkpoint(c.name);
     SafetensorsEdit file(dir / "model.safetensors");
