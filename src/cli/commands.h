@@ -23,6 +23,11 @@ struct ModelDataOptions {
   std::optional<double> timeout_s;  // --timeout (else MDIST_TIMEOUT, else 30 min)
 };
 
+// --resume: off (a fresh run), always (bare --resume: continue, a checkpoint must exist), or
+// automatic (--resume auto: continue when the run directory has a checkpoint, else start; the
+// same command line then serves every restart of a job).
+enum class ResumeMode { off, always, automatic };
+
 struct TrainOptions {
   ModelDataOptions io;
   std::filesystem::path out = "runs/default";
@@ -36,7 +41,7 @@ struct TrainOptions {
   int save_every = 100;  // 0: only at the end
   int keep = 2;          // checkpoints kept (the newest)
   int log_every = 10;
-  bool resume = false;
+  ResumeMode resume = ResumeMode::off;
   bool overwrite = false;       // replace an earlier run in `out` (never the --model source)
   bool skip_nonfinite = false;  // skip a step whose loss or gradient norm is not finite
   // Held-out loss every K steps; nullopt: at each checkpoint; 0: never.

@@ -168,8 +168,15 @@ int main(int argc, char** argv) {
       ->add_option("--log-every", train.log_every,
                    "Log line every K steps when stdout is not a terminal")
       ->capture_default_str();
-  train_cmd->add_flag("--resume", train.resume,
-                      "Continue from the run directory's last checkpoint (its model: no --model)");
+  std::string resume;
+  train_cmd
+      ->add_option("--resume", resume,
+                   "Continue from the run directory's last checkpoint (its model: no --model); "
+                   "--resume auto: continue if there is one, else start (from --model if given)")
+      ->expected(0, 1)
+      ->default_str("always")
+      ->check(CLI::IsMember({"always", "auto"}))
+      ->type_name("[auto]");
   train_cmd->add_flag("--overwrite", train.overwrite,
                       "Replace an earlier run in --out (its metrics and checkpoints); without "
                       "it a fresh run into a directory holding one is refused");
@@ -260,6 +267,9 @@ int main(int argc, char** argv) {
     return usage_error(app, error, argc, argv);
   }
 
+  train.resume = resume.empty()     ? ResumeMode::off
+                 : resume == "auto" ? ResumeMode::automatic
+                                    : ResumeMode::always;
   const std::string command = app.get_subcommands().front()->get_name();
   try {
     // The timeout is read before the job is joined: a bad one is the same on every rank.

@@ -148,27 +148,35 @@ int run_train(const TrainOptions& o) {
     if (o.eval_every) check_at_least(*o.eval_every, 0, "--eval-every");
     check_at_least(o.eval_max_sequences, 0, "--eval-max-sequences");
     check_non_negative(o.watchdog_s, "--watchdog");
-    if (o.resume && o.io.model_dir) {
+    const bool automatic = o.resume == ResumeMode::automatic;
+    if (o.resume == ResumeMode::always && o.io.model_dir) {
       throw InputError("--resume continues from the last checkpoint of '" + o.out.string() +
                        "', which is the model; --model cannot be given with it");
     }
-    if (o.resume && o.overwrite) throw InputError("--resume and --overwrite exclude each other");
+    if (o.resume != ResumeMode::off && o.overwrite) {
+      throw InputError("--resume and --overwrite exclude each other");
+    }
     check_writable_dir(o.out, "output directory");
     RunLock::check_free(o.out);
-    if (o.resume) {
-      resume_from = latest_checkpoint(o.out);
-      if (!resume_from) {
-        throw InputError("--resume: no checkpoint in '" + (o.out / "checkpoints").string() + "'");
-      }
+    const auto latest =
+        o.resume != ResumeMode::off ? latest_checkpoint(o.out) : std::optional<fs::path>();
+    if (o.resume == ResumeMode::always && !latest) {
+      throw InputError("--resume: no checkpoint in '" + (o.out / "checkpoints").string() + "'");
+    }
+    if (latest) {
+      resume_from = latest;
       resumed = read_trainer_state(*resume_from);
     } else if (const auto earlier = earlier_run(o.out)) {
-      if (!o.overwrite) {
+      // --resume auto with no complete checkpoint: what is there (metrics of a run that never
+      // saved, a partial step directory) is nothing to continue; it is replaced.
+      if (!o.overwrite && !automatic) {
         throw InputError("output directory '" + o.out.string() + "' holds an earlier run (" +
                          *earlier + "); pass --resume to continue it or --overwrite to replace it");
       }
       if (o.io.model_dir && is_within(*o.io.model_dir, o.out)) {
         throw InputError("--model '" + o.io.model_dir->string() + "' is inside '" + o.out.string() +
-                         "', the run --overwrite would replace; copy it elsewhere first");
+                         "', the run " + (automatic ? "--resume auto" : "--overwrite") +
+                         " would replace; copy it elsewhere first");
       }
       replace_earlier = true;
     }
@@ -251,7 +259,11 @@ int run_train(const TrainOptions& o) {
       " sequences of " + std::to_string(o.io.seq_len) + " tokens; global batch " +
       std::to_string(o.global_batch) + " (" + std::to_string(o.global_batch / dp) +
       " per data-parallel rank), steps " + std::to_string(state.step + 1) + ".." +
-      std::to_string(o.steps) + (resumed ? " (resumed from " + resume_from->string() + ")" : ""));
+      std::to_string(o.steps) +
+      (resumed ? " (resumed from " + resume_from->string() +
+                     (o.io.model_dir ? "; --model is only where a fresh run starts" : "") + ")"
+       : o.resume == ResumeMode::automatic ? " (--resume auto: no checkpoint yet, starting)"
+                                           : ""));
   say(held_out ? "mdist train: held-out loss on " + held_out_data->description + " (" +
                      std::to_string(o.eval_max_sequences > 0
                                         ? std::min(o.eval_max_sequences, held_out->count())

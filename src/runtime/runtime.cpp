@@ -17,6 +17,8 @@
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdlib>
 #ifdef MDIST_HAS_CUDA
 #include <torch/cuda.h>
 #endif
@@ -132,15 +134,28 @@ int bind_store_socket(const std::string& master_addr, int port) {
   return fd;
 }
 
+// torchrun's elastic agent already serves a TCPStore on its MASTER_ADDR:MASTER_PORT and says so
+// with TORCHELASTIC_USE_AGENT_STORE=True; every rank, rank 0 included, is then a client of it
+// (torch.distributed's _create_c10d_store makes the same choice, and only for the agent's own
+// address and port: a master address or port given in SetupOptions means a store of our own).
+bool agent_store_serves(const LaunchEnv& env) {
+  const char* use = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const char* addr = std::getenv("MASTER_ADDR");
+  const char* port = std::getenv("MASTER_PORT");
+  return use != nullptr && std::string(use) == "True" && addr != nullptr && port != nullptr &&
+         env.master_addr == addr && std::to_string(env.master_port) == port;
+}
+
 c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env,
                                               std::chrono::milliseconds timeout) {
+  const bool hosts = env.rank == 0 && !agent_store_serves(env);
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(env.master_port);
-  options.isServer = env.rank == 0;
+  options.isServer = hosts;
   options.numWorkers = static_cast<std::size_t>(env.world_size);
-  options.waitWorkers = true;
+  options.waitWorkers = true;  // every client counts itself in, rank 0 waits for them all
   options.timeout = timeout;
-  if (env.rank == 0) {
+  if (hosts) {
     if (env.store_listen_fd && !launcher_socket_used) {
       options.masterListenFd = *env.store_listen_fd;
       launcher_socket_used = true;
@@ -152,10 +167,10 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env,
   const QuietTorchLogs quiet;
   try {
     return c10::make_intrusive<c10d::TCPStore>(
-        env.rank == 0 ? own_store_host(env.master_addr) : env.master_addr, options);
+        hosts ? own_store_host(env.master_addr) : env.master_addr, options);
   } catch (const std::exception& error) {
     const std::string cause = detail::first_line(error);
-    if (env.rank == 0) {
+    if (hosts) {
       throw CommunicationError("mdist: setup failed after " + ms_text(timeout) +
                                ": rank 0 waited at " + where + " for all " +
                                std::to_string(env.world_size) + " ranks to join (" + cause + ")");
@@ -219,6 +234,15 @@ bool setup(const SetupOptions& options) {
   state.backend_spec = options.backend.empty() ? default_backend_spec() : options.backend;
   use_local_device(*env, state.backend_spec);
   state.store = connect_store(*env, options.timeout);
+  if (agent_store_serves(*env)) {
+    // The agent's store may outlive a job (a second setup() after cleanup(), another job on the
+    // same agent): each job's keys go under its own generation. Every rank of a job counts
+    // itself in before any rank of the next one can (the next job starts after this one's
+    // cleanup barrier), so (count - 1) / world is the same on all of them.
+    const int64_t count = state.store->add("mdist/generations", 1);
+    state.store = c10::make_intrusive<c10d::PrefixStore>(
+        "mdist/generation-" + std::to_string((count - 1) / env->world_size) + "/", state.store);
+  }
 
   auto world = std::make_shared<detail::GroupState>();
   world->id = 0;

@@ -1177,4 +1177,35 @@ TEST_F(MdistChecks, TimeoutEndsAJobWhoseRankStoppedAndTheWatchdogNamesIt) {
               HasSubstr("[rank0]: mdist train: watchdog: rank 1 has given no sign of life for "));
 }
 
+// --resume auto: the same command line starts a run (no checkpoint yet) and continues it after
+// an interruption, with the uninterrupted run's losses; a bare --resume still needs a checkpoint.
+TEST_F(MdistChecks, ResumeAutoStartsThenContinuesAnInterruptedRun) {
+  const auto args = train_args({"--steps", "6", "--save-every", "2", "--keep", "5"});
+  const auto whole = dir_ / "whole";
+  auto r = mdist(2, with(args, {"--out", whole.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const auto run = dir_ / "run";
+  r = mdist(2, with(args, {"--out", run.string(), "--resume", "auto"}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_THAT(r.out, HasSubstr("(--resume auto: no checkpoint yet, starting)"));
+  // Interrupted after step 4: the step-6 checkpoint and what came after step 4 are gone.
+  fs::remove_all(run / "checkpoints" / "step-00000006");
+  std::ofstream(run / "checkpoints" / "latest") << "step-00000004\n";
+  r = mdist(2, with(args, {"--out", run.string(), "--resume", "auto"}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_THAT(r.out,
+              HasSubstr("(resumed from " + (run / "checkpoints" / "step-00000004").string()));
+  const auto expected = metrics(whole), resumed = metrics(run);
+  ASSERT_EQ(resumed.size(), 6u);
+  for (std::size_t i = 0; i < 6; ++i) {
+    const double a = expected[i]["loss"], b = resumed[i]["loss"];
+    EXPECT_NEAR(b, a, 1e-6 * a) << "step " << i + 1;
+  }
+  const auto empty = dir_ / "empty";
+  r = mdist(1, with(args, {"--out", empty.string(), "--resume"}));
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("mdist train: error: --resume: no checkpoint in '" +
+                               (empty / "checkpoints").string() + "'"));
+}
+
 }  // namespace

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/mdist.h"
@@ -26,6 +27,27 @@ int probe(int argc, char** argv) {
     std::cout << "joined rank " << mdist::rank() << " of " << mdist::size() << " via "
               << mdist::to_string(mdist::launch_env()->source) << " sum "
               << mdist::allreduce(mdist::rank()) << std::endl;
+    return 0;
+  }
+  if (mode == "serve-store") {
+    // What torchrun's elastic agent does: serve the job's TCPStore on MASTER_PORT (it then
+    // sets TORCHELASTIC_USE_AGENT_STORE=True for the ranks) until the ranks are done.
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<std::uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
+    store_options.isServer = true;
+    store_options.waitWorkers = false;
+    store_options.timeout = timeout;
+    const c10d::TCPStore store("127.0.0.1", store_options);
+    std::cout << "serving" << std::endl;
+    std::this_thread::sleep_for(timeout);
+    return 0;
+  }
+  if (mode == "setup-twice") {
+    for (int job = 0; job < 2; ++job) {
+      const mdist::Session session(options);
+      std::cout << "job " << job << " rank " << mdist::rank() << " sum "
+                << mdist::allreduce(mdist::rank() + job) << std::endl;
+    }
     return 0;
   }
   if (mode == "exception-in-session") {

@@ -2,7 +2,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #include <future>
+#include <thread>
 
 #include "tests/support/subprocess.h"
 
@@ -134,6 +141,85 @@ TEST(Rendezvous, AnIpv6MasterAddressJoins) {
     EXPECT_THAT(result.out, StartsWith("joined rank " + std::to_string(r) + " of 2 via "));
     EXPECT_THAT(result.out, EndsWith(" sum 1\n"));
   }
+}
+
+// Whether something accepts connections on 127.0.0.1:port.
+bool listening(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool connected = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(fd);
+  return connected;
+}
+
+// Under torchrun's elastic agent the store is the agent's (TORCHELASTIC_USE_AGENT_STORE=True on
+// its MASTER_ADDR:MASTER_PORT): rank 0 joins it as a client instead of failing to listen on the
+// port, twice in one process too (a job generation keeps the second job's keys apart).
+TEST(Rendezvous, TorchrunsAgentStoreIsJoinedNotServed) {
+  const int port = mdist::testing::free_port();
+  RunOptions agent_options = torchrun_env(0, 1, port);
+  agent_options.timeout = std::chrono::seconds(90);
+  auto agent = std::async(std::launch::async, [agent_options] {
+    return run({kProbe, "serve-store", "30000"}, agent_options);
+  });
+  // Until the agent's store listens.
+  for (int i = 0; i < 100 && !listening(port); ++i) {
+    std::this_thread::sleep_for(100ms);
+  }
+  // The store is the agent's: without TORCHELASTIC_USE_AGENT_STORE rank 0 would try to serve
+  // it, and says the port is taken.
+  const auto own = run({kProbe, "setup", "1500"}, torchrun_env(0, 2, port));
+  EXPECT_NE(own.exit_code, 0);
+  EXPECT_THAT(own.err, HasSubstr("cannot listen on MASTER_PORT " + std::to_string(port)));
+  for (const std::string mode : {"setup", "setup-twice"}) {
+    std::vector<std::future<mdist::testing::RunResult>> ranks;
+    for (int r = 0; r < 2; ++r) {
+      RunOptions options = torchrun_env(r, 2, port);
+      options.env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+      ranks.push_back(std::async(std::launch::async, [options, mode] {
+        return run({kProbe, mode}, options);
+      }));
+    }
+    for (int r = 0; r < 2; ++r) {
+      const auto result = ranks[r].get();
+      EXPECT_EQ(result.exit_code, 0) << mode << ": " << result.err;
+      if (mode == "setup") {
+        EXPECT_THAT(result.out, StartsWith("joined rank " + std::to_string(r) + " of 2 via "));
+        EXPECT_THAT(result.out, EndsWith(" sum 1\n"));
+      } else {
+        EXPECT_EQ(result.out, "job 0 rank " + std::to_string(r) + " sum 1\njob 1 rank " +
+                                  std::to_string(r) + " sum 3\n");
+      }
+    }
+  }
+}
+
+// The real torchrun (`torchrun --no-python`), when one is installed (MDIST_TORCHRUN, torchrun on
+// PATH, or the bench virtual environment's): the same binary joins under its agent.
+TEST(Launchers, RealTorchrun) {
+  std::string torchrun;
+  if (const char* given = std::getenv("MDIST_TORCHRUN")) torchrun = given;
+  const std::string home = std::getenv("HOME") ? std::getenv("HOME") : "";
+  for (const std::string& candidate :
+       {std::string("/usr/local/bin/torchrun"), std::string("/usr/bin/torchrun"),
+        home + "/.cache/mdist/bench-venv/bin/torchrun"}) {
+    if (torchrun.empty() && ::access(candidate.c_str(), X_OK) == 0) torchrun = candidate;
+  }
+  if (torchrun.empty()) {
+    GTEST_SKIP()
+        << "no torchrun here (set MDIST_TORCHRUN, or make the bench venv: bench/bench_venv.sh)";
+  }
+  RunOptions options;
+  options.timeout = std::chrono::seconds(120);
+  const auto result = run({torchrun, "--no-python", "--nproc-per-node", "2", "--master-port",
+                           std::to_string(mdist::testing::free_port()), kProbe, "setup"},
+                          options);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_THAT(result.out, HasSubstr("joined rank 0 of 2 via torchrun sum 1"));
+  EXPECT_THAT(result.out, HasSubstr("joined rank 1 of 2 via torchrun sum 1"));
 }
 
 // One binary runs unchanged under other launchers: their variables, two real processes.
