@@ -64,6 +64,7 @@ ParseResult parse_command_line(std::span<const std::string> args) {
   std::string master_addr = "127.0.0.1";
   std::string master_port;
   std::string kill_timeout = "3";
+  std::string max_restarts = "0";
   bool ignored_flag = false;
 
   const auto take_last = CLI::MultiOptionPolicy::TakeLast;  // argparse semantics: last one wins
@@ -79,6 +80,8 @@ ParseResult parse_command_line(std::span<const std::string> args) {
       "Port of the store; unset or 0: any free port (single node only)");
   add("--kill-timeout,--kill_timeout", kill_timeout, "SECONDS",
       "Grace period between SIGTERM and SIGKILL when stopping ranks (default 3)");
+  add("--max-restarts,--max_restarts", max_restarts, "N",
+      "After a rank fails, stop every rank and start them all again, up to N times (default 0)");
   app.add_flag("--standalone", ignored_flag, "Accepted for torchrun compatibility (no effect)");
   app.add_flag("--no-python,--no_python", ignored_flag,
                "Accepted for torchrun compatibility (no effect)");
@@ -139,6 +142,14 @@ ParseResult parse_command_line(std::span<const std::string> args) {
                      kill_timeout + "'"};
     }
     options.kill_timeout_s = *timeout;
+    options.max_restarts =
+        parse_int_in_range("--max-restarts", max_restarts, 0, 1000000, "an integer >= 0");
+    // Nodes would have to agree on each restart (torchrun's agents rendezvous for it).
+    if (options.max_restarts > 0 && options.nnodes > 1) {
+      throw BadValue{
+          "--max-restarts needs a single node (--nnodes 1): restarting several nodes "
+          "together needs an agent rendezvous mdistrun does not have"};
+    }
   } catch (const BadValue& bad) {
     return usage_error(bad.message);
   }

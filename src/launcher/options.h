@@ -19,6 +19,9 @@ struct LaunchOptions {
   int master_port = 0;
   bool master_port_given = false;
   double kill_timeout_s = 3.0;
+  // torchrun's --max-restarts: after a failure every rank is stopped and all start again, with
+  // TORCHELASTIC_RESTART_COUNT counting the restarts, at most this many times (single node).
+  int max_restarts = 0;
   // PROGRAM followed by its arguments, exactly as given.
   std::vector<std::string> command;
 };

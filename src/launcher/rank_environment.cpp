@@ -31,9 +31,9 @@ std::vector<std::string> build_rank_environment(const JobLayout& layout, int loc
       {"ROLE_NAME", "default"},
       {"MASTER_ADDR", layout.master_addr},
       {"MASTER_PORT", std::to_string(layout.master_port)},
-      // No elastic restarts: these say "first and only attempt" to code that checks them.
-      {"TORCHELASTIC_RESTART_COUNT", "0"},
-      {"TORCHELASTIC_MAX_RESTARTS", "0"},
+      // Which attempt this is (0 for the first), as torchrun tells its workers.
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(layout.restart_count)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(layout.max_restarts)},
       {"TORCHELASTIC_RUN_ID", layout.run_id},
       {"MDIST_STDOUT_IS_TTY", layout.stdout_is_tty ? "1" : "0"},
   };

@@ -22,6 +22,9 @@ struct JobLayout {
   // Whether the launcher's own stdout is a terminal. Ranks write into a pipe to the launcher,
   // so they learn it from MDIST_STDOUT_IS_TTY (e.g. to draw a progress bar in place).
   bool stdout_is_tty = false;
+  // TORCHELASTIC_RESTART_COUNT / TORCHELASTIC_MAX_RESTARTS.
+  int restart_count = 0;
+  int max_restarts = 0;
 
   [[nodiscard]] int world_size() const { return nnodes * nproc_per_node; }
   [[nodiscard]] int global_rank(int local_rank) const {

@@ -108,6 +108,7 @@ void Supervisor::on_signal(int signo) {
     check_exits();
     return;
   }
+  interrupted_ = true;
   if (!exit_code_) {
     report("received " + signal_name(signo) + "; forwarding it to every rank");
     exit_code_ = 128 + signo;

@@ -24,6 +24,8 @@ class Supervisor {
   // (128 + signal for a death by signal); 128 + signo if the launcher itself was signalled.
   // On return every rank, and every process they started, has been killed and reaped.
   [[nodiscard]] int run();
+  // Whether the launcher itself was signalled (SIGINT, SIGTERM, SIGHUP): no restart then.
+  [[nodiscard]] bool interrupted() const { return interrupted_; }
 
  private:
   struct Stream {
@@ -61,6 +63,7 @@ class Supervisor {
   std::optional<int> exit_code_;               // set by the first failure or signal
   std::optional<Clock::time_point> deadline_;  // SIGKILL time once shutting down
   bool killed_ = false;                        // SIGKILL already sent
+  bool interrupted_ = false;                   // the launcher received a signal
   std::array<bool, 3> output_broken_{};        // indexed by destination fd; true after EPIPE etc.
 };
 

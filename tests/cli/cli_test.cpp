@@ -17,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -1206,6 +1207,92 @@ TEST_F(MdistChecks, ResumeAutoStartsThenContinuesAnInterruptedRun) {
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_THAT(r.err, HasSubstr("mdist train: error: --resume: no checkpoint in '" +
                                (empty / "checkpoints").string() + "'"));
+}
+
+// Restarts that lose no training: rank 1 is SIGKILLed at 5 random moments of a run under
+// mdistrun --max-restarts 5 with --resume auto and a checkpoint every step; the job completes,
+// and its losses and final weights are the uninterrupted run's.
+TEST_F(MdistChecks, RestartsAfterKilledRanksLoseNoTraining) {
+  const auto args = train_args({"--steps", "80", "--save-every", "1", "--eval-every", "0"});
+  const auto whole = dir_ / "whole";
+  auto r = mdist(2, with(args, {"--out", whole.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+
+  const auto run = dir_ / "run";
+  std::vector<std::string> argv = {MDIST_LAUNCHER, "--nproc-per-node", "2", "--max-restarts", "5",
+                                   MDIST_CLI};
+  for (const auto& a : with(args, {"--out", run.string(), "--resume", "auto"})) argv.push_back(a);
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  const auto log = (dir_ / "job.log").string();
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  pid_t launcher = 0;
+  ASSERT_EQ(posix_spawn(&launcher, argv[0].c_str(), &actions, nullptr, cargv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  const auto rank1 = [&]() -> pid_t {
+    for (const auto& entry : fs::directory_iterator("/proc")) {
+      const std::string pid = entry.path().filename();
+      if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::ifstream stat(entry.path() / "stat");
+      std::string field;
+      for (int i = 0; i < 4 && stat >> field; ++i) {
+      }
+      if (field != std::to_string(launcher)) continue;
+      if (read(entry.path() / "environ").find(std::string("\0RANK=1\0", 8)) != std::string::npos) {
+        return static_cast<pid_t>(std::stoi(pid));
+      }
+    }
+    return 0;
+  };
+  std::mt19937 random(static_cast<unsigned>(::getpid()));
+  int kills = 0;
+  pid_t last = 0;
+  int status = 0;
+  bool ended = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(200);
+  while (kills < 5 && std::chrono::steady_clock::now() < deadline) {
+    if (waitpid(launcher, &status, WNOHANG) == launcher) {
+      ended = true;
+      break;
+    }
+    const pid_t victim = rank1();
+    if (victim == 0 || victim == last) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
+    // A random moment of this attempt: during start-up, a step or a checkpoint.
+    std::this_thread::sleep_for(std::chrono::milliseconds(100 + random() % 900));
+    if (kill(victim, SIGKILL) == 0) ++kills;
+    last = victim;
+  }
+  if (!ended) {
+    ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
+  }
+  EXPECT_EQ(kills, 5) << read(dir_ / "job.log");
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read(dir_ / "job.log");
+  const auto expected = metrics(whole), restarted = metrics(run);
+  ASSERT_EQ(restarted.size(), 80u) << read(dir_ / "job.log");
+  for (std::size_t i = 0; i < 80; ++i) {
+    EXPECT_EQ(restarted[i]["step"], i + 1);
+    const double a = expected[i]["loss"], b = restarted[i]["loss"];
+    EXPECT_NEAR(b, a, 1e-6 * a) << "step " << i + 1;
+  }
+  const auto final_weights = [](const fs::path& out) {
+    return SafetensorsEdit(out / "checkpoints" / "step-00000080" / "model.safetensors");
+  };
+  auto a = final_weights(whole), b = final_weights(run);
+  for (auto& [name, tensor] : a.tensors()) {
+    const auto x = a.floats(name), y = b.floats(name);
+    ASSERT_EQ(x.size(), y.size()) << name;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      ASSERT_NEAR(y[i], x[i], 1e-6 * std::max(1.0F, std::abs(x[i]))) << name << "[" << i << "]";
+    }
+  }
 }
 
 }  // namespace

@@ -165,6 +165,20 @@ int exit_on_rank(int rank, int code) {
   return code;
 }
 
+// Rank 1 fails (exit 3) on every attempt before restart `until`; from then on every rank says
+// which attempt it is and succeeds.
+int fail_until_restart(int until) {
+  const char* count = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const int attempt = count != nullptr ? std::atoi(count) : -1;
+  if (attempt < until) {
+    if (my_rank() != 1) sleep_long_then_exit();
+    return 3;
+  }
+  std::printf("rank %d attempt %d\n", my_rank(), attempt);
+  std::fflush(stdout);
+  return 0;
+}
+
 int segv_on_rank(int rank) {
   if (my_rank() != rank) sleep_long_then_exit();
   // No core file: the test only cares about the signal, and dumping can be slow.
@@ -268,6 +282,7 @@ int main(int argc, char** argv) {
   if (mode == "print-env") return print_env();
   if (mode == "exit-on-rank") return exit_on_rank(std::stoi(arg(1)), std::stoi(arg(2)));
   if (mode == "segv-on-rank") return segv_on_rank(std::stoi(arg(1)));
+  if (mode == "fail-until-restart") return fail_until_restart(std::stoi(arg(1)));
   if (mode == "sleep-and-record-signal") return sleep_and_record_signal(arg(1));
   if (mode == "stubborn-others") {
     return stubborn_others(arg(1), std::stoi(arg(2)), std::stoi(arg(3)));

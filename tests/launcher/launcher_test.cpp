@@ -489,6 +489,27 @@ TEST(LauncherTest, FailingRankEndsTheJobWithItsCode) {
   EXPECT_EQ(r.out, "[rank1]: rank 1 exiting with 3\n");
 }
 
+// torchrun's --max-restarts: a failure stops every rank and starts them all again with
+// TORCHELASTIC_RESTART_COUNT counting; after N restarts the job ends with the failure's code.
+TEST(LauncherTest, MaxRestartsStartsEveryRankAgainUntilItSucceedsOrGivesUp) {
+  RunResult r =
+      run({"--nproc-per-node", "2", "--max-restarts", "2", kProbe, "fail-until-restart", "2"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("[rank0]: rank 0 attempt 2\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[rank1]: rank 1 attempt 2\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("mdistrun: restarting every rank (restart 1 of 2, "
+                       "TORCHELASTIC_RESTART_COUNT=1)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("(restart 2 of 2, TORCHELASTIC_RESTART_COUNT=2)"), std::string::npos);
+  EXPECT_EQ(count_occurrences(r.err, "exited with code 3"), 2) << r.err;
+
+  r = run({"--nproc-per-node", "2", "--max-restarts", "1", kProbe, "fail-until-restart", "2"});
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.err.find("mdistrun: giving up after 1 restart(s)"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out, "");
+}
+
 TEST(LauncherTest, SegfaultingRankGives139) {
   const RunResult r = run({"--nproc-per-node", "2", kProbe, "segv-on-rank", "0"});
   EXPECT_EQ(r.exit_code, 139) << r.err;
@@ -679,6 +700,10 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         BadInput{"MissingProgram", {"--nproc-per-node", "2"}, "missing PROGRAM"},
         BadInput{"NoArguments", {}, "missing PROGRAM"},
+        BadInput{"NegativeMaxRestarts", {"--max-restarts=-1", "true"}, "--max-restarts must be"},
+        BadInput{"MaxRestartsOnSeveralNodes",
+                 {"--max-restarts", "1", "--nnodes", "2", "--master-port", "29500", "true"},
+                 "--max-restarts needs a single node (--nnodes 1)"},
         BadInput{"ZeroNproc", {"--nproc-per-node", "0", "true"}, "--nproc-per-node must be"},
         BadInput{"NegativeNproc", {"--nproc-per-node=-2", "true"}, "--nproc-per-node must be"},
         BadInput{"NonNumericNproc", {"--nproc_per_node", "four", "true"}, "got 'four'"},
