@@ -104,6 +104,41 @@ class MdistCommand : public ::testing::Test {
     return text.str();
   }
 
+  // Starts `argv` in the background with stdout and stderr into `log` (or /dev/null); the pid,
+  // or 0 when it could not start.
+  static pid_t spawn(std::vector<std::string> argv, const fs::path& log = "/dev/null") {
+    std::vector<char*> cargv;
+    for (auto& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    pid_t pid = 0;
+    const int failed = posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, cargv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    return failed == 0 ? pid : 0;
+  }
+
+  // The child of `launcher` whose environment has RANK=`rank`; 0 if there is none (yet).
+  static pid_t rank_process(pid_t launcher, int rank) {
+    const std::string wanted = std::string("\0RANK=", 6) + std::to_string(rank) + '\0';
+    for (const auto& entry : fs::directory_iterator("/proc")) {
+      const std::string pid = entry.path().filename();
+      if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::ifstream stat(entry.path() / "stat");
+      std::string field;
+      for (int i = 0; i < 4 && stat >> field; ++i) {
+      }
+      if (field != std::to_string(launcher)) continue;
+      if (read(entry.path() / "environ").find(wanted) != std::string::npos) {
+        return static_cast<pid_t>(std::stoi(pid));
+      }
+    }
+    return 0;
+  }
+
   static std::string describe(const RunResult& r) {
     return "exit " + std::to_string(r.exit_code) + "\nstdout:\n" + r.out + "\nstderr:\n" + r.err;
   }
@@ -592,18 +627,8 @@ TEST_F(MdistCommand, KilledRankEndsTheJobAndLeavesTheLastCheckpointLoadable) {
        with(kQuickTrain, {"--steps", "100000", "--save-every", "2", "--out", run.string()})) {
     argv.push_back(a);
   }
-  std::vector<char*> cargv;
-  for (auto& a : argv) cargv.push_back(a.data());
-  cargv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  const auto log = (dir_ / "job.log").string();
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  pid_t launcher = 0;
-  ASSERT_EQ(posix_spawn(&launcher, argv[0].c_str(), &actions, nullptr, cargv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&actions);
+  const pid_t launcher = spawn(argv, dir_ / "job.log");
+  ASSERT_GT(launcher, 0);
 
   // Wait for the second checkpoint, then SIGKILL rank 1 (the launcher's child with RANK=1).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(180);
@@ -611,21 +636,7 @@ TEST_F(MdistCommand, KilledRankEndsTheJobAndLeavesTheLastCheckpointLoadable) {
          std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  pid_t victim = 0;
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    const std::string pid = entry.path().filename();
-    if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string field;
-    for (int i = 0; i < 4 && stat >> field; ++i) {
-    }
-    if (field != std::to_string(launcher)) continue;
-    const std::string environ_text = read(entry.path() / "environ");
-    if (environ_text.find(std::string("RANK=1") + '\0') != std::string::npos &&
-        environ_text.find(std::string("\0RANK=1\0", 8)) != std::string::npos) {
-      victim = static_cast<pid_t>(std::stoi(pid));
-    }
-  }
+  const pid_t victim = rank_process(launcher, 1);
   ASSERT_GT(victim, 0) << read(dir_ / "job.log");
   ASSERT_EQ(kill(victim, SIGKILL), 0);
   int status = 0;
@@ -934,15 +945,8 @@ TEST_F(MdistChecks, ASecondRunIntoTheSameDirectoryIsKeptOut) {
   for (const auto& a :
        train_args({"--steps", "100000", "--save-every", "0", "--out", run.string()}))
     argv.push_back(a);
-  std::vector<char*> cargv;
-  for (auto& a : argv) cargv.push_back(a.data());
-  cargv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
-  pid_t first = 0;
-  ASSERT_EQ(posix_spawn(&first, argv[0].c_str(), &actions, nullptr, cargv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&actions);
+  const pid_t first = spawn(argv);
+  ASSERT_GT(first, 0);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (!fs::exists(run / "metrics.jsonl") && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -1136,35 +1140,13 @@ TEST_F(MdistChecks, TimeoutEndsAJobWhoseRankStoppedAndTheWatchdogNamesIt) {
   for (const auto& a : train_args({"--steps", "100000", "--save-every", "0", "--timeout", "8",
                                    "--watchdog", "1", "--out", run.string()}))
     argv.push_back(a);
-  std::vector<char*> cargv;
-  for (auto& a : argv) cargv.push_back(a.data());
-  cargv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  const auto log = (dir_ / "job.log").string();
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  pid_t launcher = 0;
-  ASSERT_EQ(posix_spawn(&launcher, argv[0].c_str(), &actions, nullptr, cargv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&actions);
+  const pid_t launcher = spawn(argv, dir_ / "job.log");
+  ASSERT_GT(launcher, 0);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (metrics(run).size() < 3 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  pid_t victim = 0;
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    const std::string pid = entry.path().filename();
-    if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string field;
-    for (int i = 0; i < 4 && stat >> field; ++i) {
-    }
-    if (field != std::to_string(launcher)) continue;
-    if (read(entry.path() / "environ").find(std::string("\0RANK=1\0", 8)) != std::string::npos) {
-      victim = static_cast<pid_t>(std::stoi(pid));
-    }
-  }
+  const pid_t victim = rank_process(launcher, 1);
   ASSERT_GT(victim, 0) << read(dir_ / "job.log");
   const auto stopped = std::chrono::steady_clock::now();
   ASSERT_EQ(kill(victim, SIGSTOP), 0);
@@ -1222,33 +1204,8 @@ TEST_F(MdistChecks, RestartsAfterKilledRanksLoseNoTraining) {
   std::vector<std::string> argv = {MDIST_LAUNCHER, "--nproc-per-node", "2", "--max-restarts", "5",
                                    MDIST_CLI};
   for (const auto& a : with(args, {"--out", run.string(), "--resume", "auto"})) argv.push_back(a);
-  std::vector<char*> cargv;
-  for (auto& a : argv) cargv.push_back(a.data());
-  cargv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  const auto log = (dir_ / "job.log").string();
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  pid_t launcher = 0;
-  ASSERT_EQ(posix_spawn(&launcher, argv[0].c_str(), &actions, nullptr, cargv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&actions);
-  const auto rank1 = [&]() -> pid_t {
-    for (const auto& entry : fs::directory_iterator("/proc")) {
-      const std::string pid = entry.path().filename();
-      if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
-      std::ifstream stat(entry.path() / "stat");
-      std::string field;
-      for (int i = 0; i < 4 && stat >> field; ++i) {
-      }
-      if (field != std::to_string(launcher)) continue;
-      if (read(entry.path() / "environ").find(std::string("\0RANK=1\0", 8)) != std::string::npos) {
-        return static_cast<pid_t>(std::stoi(pid));
-      }
-    }
-    return 0;
-  };
+  const pid_t launcher = spawn(argv, dir_ / "job.log");
+  ASSERT_GT(launcher, 0);
   std::mt19937 random(static_cast<unsigned>(::getpid()));
   int kills = 0;
   pid_t last = 0;
@@ -1260,7 +1217,7 @@ TEST_F(MdistChecks, RestartsAfterKilledRanksLoseNoTraining) {
       ended = true;
       break;
     }
-    const pid_t victim = rank1();
+    const pid_t victim = rank_process(launcher, 1);
     if (victim == 0 || victim == last) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
