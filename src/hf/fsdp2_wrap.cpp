@@ -13,6 +13,7 @@
 #include "mdist/nn/meta.h"
 #include "mdist/runtime/device.h"
 #include "mdist/runtime/runtime.h"
+#include "src/hf/dtypes.h"
 
 namespace mdist {
 namespace {
@@ -55,21 +56,6 @@ std::shared_ptr<torch::nn::Module> shared_of(torch::nn::Module& model) {
   }
 }
 
-std::string dtype_name(c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::kFloat:
-      return "float32";
-    case c10::kBFloat16:
-      return "bfloat16";
-    case c10::kHalf:
-      return "float16";
-    case c10::kDouble:
-      return "float64";
-    default:
-      return c10::toString(dtype);
-  }
-}
-
 }  // namespace
 
 std::vector<std::shared_ptr<torch::nn::Module>> get_decoder_layers(torch::nn::Module& model) {
@@ -99,21 +85,11 @@ std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
   }
   // The dominant dtype by element count, not by parameter count: a few small fp32 norms do
   // not outvote one large bf16 embedding.
-  std::map<c10::ScalarType, int64_t> elements;
-  int64_t total = 0;
   const auto named = model.named_parameters();
-  for (const auto& item : named) {
-    elements[item.value().scalar_type()] += item.value().numel();
-    total += item.value().numel();
-  }
-  c10::ScalarType dominant = c10::kFloat;
-  int64_t most = -1;
-  for (const auto& [dtype, count] : elements) {
-    if (count > most) {
-      dominant = dtype;
-      most = count;
-    }
-  }
+  int64_t total = 0;
+  for (const auto& item : named) total += item.value().numel();
+  const c10::ScalarType dominant = hf::detail::dominant_dtype(
+      named, [](const auto& item) -> const at::Tensor& { return item.value(); });
 
   FullyShardOptions options;
   options.group = group;
@@ -142,14 +118,14 @@ std::vector<std::shared_ptr<torch::nn::Module>> fsdp2_wrap(
         param.set_data(param.data().to(device));
       }
       options.ignored_params.push_back(param);
-      odd_names.push_back(item.key() + " (" + dtype_name(param.scalar_type()) + ")");
+      odd_names.push_back(item.key() + " (" + hf::detail::dtype_name(param.scalar_type()) + ")");
       odd_elements += param.numel();
     }
   }
   if (!odd_names.empty() && is_master()) {
     std::ostringstream warning;
     warning << "mdist: fsdp2_wrap: " << odd_names.size() << " parameter(s) differ from the model's "
-            << dtype_name(dominant) << " and stay replicated and unsharded: ";
+            << hf::detail::dtype_name(dominant) << " and stay replicated and unsharded: ";
     for (std::size_t i = 0; i < odd_names.size() && i < 3; ++i) {
       warning << (i ? ", " : "") << odd_names[i];
     }

@@ -6,7 +6,6 @@
 #include <map>
 #include <set>
 #include <string>
-#include <tuple>
 
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
@@ -16,6 +15,7 @@
 #include "mdist/hf/tensor_parallel.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
+#include "src/hf/dtypes.h"
 
 namespace mdist::hf {
 namespace {
@@ -33,32 +33,6 @@ std::string first_of(const std::vector<std::string>& items) {
   for (std::size_t i = 0; i < items.size() && i < 3; ++i) text += (i ? ", " : "") + items[i];
   if (items.size() > 3) text += " and " + std::to_string(items.size() - 3) + " more";
   return text;
-}
-
-// The dtype holding most elements (a few fp32 norms do not outvote bf16 matrices).
-c10::ScalarType dominant_dtype(const std::map<std::string, at::Tensor>& tensors) {
-  std::map<c10::ScalarType, int64_t> elements;
-  for (const auto& [name, tensor] : tensors) elements[tensor.scalar_type()] += tensor.numel();
-  c10::ScalarType dominant = c10::kFloat;
-  int64_t most = -1;
-  for (const auto& [dtype, count] : elements) {
-    if (count > most) std::tie(dominant, most) = std::pair{dtype, count};
-  }
-  return dominant;
-}
-
-// config.json's spelling of a dtype (torch's attribute name).
-std::string config_dtype_name(c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::kBFloat16:
-      return "bfloat16";
-    case c10::kHalf:
-      return "float16";
-    case c10::kDouble:
-      return "float64";
-    default:
-      return "float32";
-  }
 }
 
 }  // namespace
@@ -84,7 +58,7 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
     if (!c10::isFloatingType(info.dtype)) {
       throw Error("'" + name + "' is stored as " + dtype_name(info.dtype) +
                   "; only floating-point tensors convert to the model's " +
-                  config_dtype_name(item.value().scalar_type()) + " parameters");
+                  detail::dtype_name(item.value().scalar_type()) + " parameters");
     }
   }
   if (!missing.empty()) {
@@ -141,7 +115,8 @@ void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
   // from the dtype of the checkpoint it was loaded from: a bf16 checkpoint is trained in fp32),
   // so that from_pretrained(dtype="auto") and the tensors agree.
   LlamaConfig written = model->config;
-  written.torch_dtype = config_dtype_name(dominant_dtype(tensors));
+  written.torch_dtype = detail::dtype_name(detail::dominant_dtype(
+      tensors, [](const auto& item) -> const at::Tensor& { return item.second; }));
   write_file_atomically(dir / "config.json", written.to_json());
 }
 
