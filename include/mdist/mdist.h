@@ -8,10 +8,12 @@
 #include "mdist/groups/parallel_state.h"             // IWYU pragma: export
 #include "mdist/nn/hooks.h"                          // IWYU pragma: export
 #include "mdist/nn/meta.h"                           // IWYU pragma: export
+#include "mdist/objects/broadcast_state_dict.h"      // IWYU pragma: export
 #include "mdist/objects/codec.h"                     // IWYU pragma: export
 #include "mdist/objects/collectives.h"               // IWYU pragma: export
 #include "mdist/runtime/device.h"                    // IWYU pragma: export
 #include "mdist/runtime/environment.h"               // IWYU pragma: export
+#include "mdist/runtime/file_lock.h"                 // IWYU pragma: export
 #include "mdist/runtime/group.h"                     // IWYU pragma: export
 #include "mdist/runtime/runtime.h"                   // IWYU pragma: export
 #include "mdist/tp/collectives.h"                    // IWYU pragma: export

@@ -103,8 +103,8 @@ int run_calibrate(const CalibrateOptions& o) {
       std::to_string(stats.size()) + " Linear modules, " + describe_layout(parallel));
   // One sequence per forward: a sequence's activations are then computed the same way
   // whatever the number of ranks, so the maxima (and the JSON) are identical bit for bit.
-  const auto plan = plan_forwards(total, parallel.data_parallel_group.world_size(),
-                                  parallel.data_parallel_group.rank(), 1);
+  const auto plan = plan_forwards(total, mdist::size(parallel.data_parallel_group.group()),
+                                  mdist::rank(parallel.data_parallel_group.group()), 1);
   for (int64_t round = 0; round < plan.rounds; ++round) {
     const bool real = round < static_cast<int64_t>(plan.windows.size());
     recording = real;

@@ -113,7 +113,7 @@ Block block_of(const std::string& name, const ParamPlacement& place, const hf::C
     if (tp.split == Split::kRows) block.row_offset += tp.offset;
     if (tp.split == Split::kColumns) block.col_offset = tp.offset;
   }
-  const bool dp_first = parallel.data_parallel_group.rank() <= 0;
+  const bool dp_first = mdist::rank(parallel.data_parallel_group.group()) <= 0;
   block.writes = place.rows > 0 && primary && (place.sharded || dp_first);
   return block;
 }

@@ -24,8 +24,8 @@ HeldOutLoss held_out_loss(hf::CausalLM& model, const Windows& windows,
   model->eval();
   const torch::NoGradGuard no_grad;
   const int64_t total = max_windows > 0 ? std::min(max_windows, windows.count()) : windows.count();
-  const auto plan = plan_forwards(total, parallel.data_parallel_group.world_size(),
-                                  parallel.data_parallel_group.rank(), batch_size);
+  const auto plan = plan_forwards(total, mdist::size(parallel.data_parallel_group.group()),
+                                  mdist::rank(parallel.data_parallel_group.group()), batch_size);
   const int64_t T = windows.seq_len();
   double loss_sum = 0;
   int64_t tokens = 0;

@@ -220,7 +220,7 @@ int run_train(const TrainOptions& o) {
   std::optional<Windows> held_out;
   if (held_out_data) held_out.emplace(*held_out_data, o.io.seq_len, "train (held out)");
   const ParallelState parallel = make_layout(tp);
-  const int dp_rank = parallel.data_parallel_group.rank();
+  const int dp_rank = mdist::rank(parallel.data_parallel_group.group());
   hf::CausalLM model = build_wrapped_model(model_choice, o.io.seed, parallel);
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
   // the same directory gets one line naming this one's pid). Taken once the model is known to

@@ -148,6 +148,11 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
                 "managed by a nested unit)");
   }
 
+  if (!options.group.is_not_used() && !options.group.is_member()) {
+    // size() and rank() are -1 there (torch's convention); there is nothing to shard over.
+    throw Error("mdist: fully_shard: " + label + ": this rank is not a member of " +
+                options.group.name());
+  }
   auto unit = std::make_shared<detail::FsdpParamGroup>();
   unit->module = &module;
   unit->label = label;

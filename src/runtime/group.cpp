@@ -61,6 +61,11 @@ std::shared_ptr<GroupState> resolve(const Group& group, const char* op) {
   return state;
 }
 
+bool is_outside(const Group& group) {
+  return group.kind() == Group::Kind::kConcrete && runtime_state() && !group.state()->destroyed &&
+         group.state()->group_rank < 0;
+}
+
 std::string first_line(const std::exception& error) {
   const auto* const c10_error = dynamic_cast<const c10::Error*>(&error);
   std::string text = c10_error ? c10_error->what_without_backtrace() : error.what();

@@ -29,6 +29,10 @@ struct GroupState {
 // "not used" group, a group this process is not in, or a destroyed group.
 std::shared_ptr<GroupState> resolve(const Group& group, const char* op);
 
+// Whether `group` is a live concrete group this process is not in: there rank() and size()
+// are -1 and barrier() returns at once, as in torch.distributed.
+bool is_outside(const Group& group);
+
 // Waits for `work`; a failure becomes one CommunicationError naming the operation, the
 // group, this rank and the timeout.
 void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const GroupState& group, const char* op);

@@ -360,11 +360,15 @@ std::optional<std::string> backend() {
 }
 
 int size(const Group& group) {
+  if (detail::is_outside(group)) return -1;
   const auto state = detail::resolve(group, "size");
   return state ? static_cast<int>(state->ranks.size()) : 1;
 }
 
-int rank(const Group& group) { return checked_rank_in(group, "rank"); }
+int rank(const Group& group) {
+  if (detail::is_outside(group)) return -1;
+  return checked_rank_in(group, "rank");
+}
 
 int local_rank() { return runtime_state() ? runtime_state()->env.local_rank : 0; }
 
@@ -375,6 +379,8 @@ bool is_master(const Group& group) { return rank(group) == 0; }
 bool is_last_process(const Group& group) { return rank(group) == size(group) - 1; }
 
 void barrier(const Group& group) {
+  // torch.distributed.barrier returns at once on a rank outside the group.
+  if (detail::is_outside(group)) return;
   const auto state = detail::resolve(group, "barrier");
   if (!state) return;
   c10d::BarrierOptions options;

@@ -47,7 +47,16 @@ at::Tensor with_backward(const at::Tensor& input, at::Tensor output, const char*
   return output;
 }
 
-bool trivial(const Group& group) { return size(group) == 1; }
+// Whether `group` has one rank, so the collective is the identity. A group this rank is not
+// in has size -1 (torch's convention) and can carry nothing: an error naming it.
+bool trivial(const Group& group) {
+  const int ranks = size(group);
+  if (ranks < 0) {
+    throw Error("mdist::tp: a tensor-parallel collective over " + group.name() +
+                ", which this rank is not a member of");
+  }
+  return ranks == 1;
+}
 
 int64_t normalise_dim(const at::Tensor& t, int64_t dim, const char* op) {
   const int64_t rank = t.dim();

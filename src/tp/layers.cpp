@@ -58,7 +58,15 @@ at::Tensor masked_reduce(const at::Tensor& looked_up, const at::Tensor& outside,
 
 }  // namespace
 
-RowRange even_part(int64_t size, int parts, int rank, const char* what) {
+// This rank's even share of `size` rows over `group`.
+RowRange even_part(int64_t size, const Group& group, const char* what) {
+  if (!group.is_not_used() && !group.is_member()) {
+    // size() and rank() are -1 there (torch's convention); nothing can be split over it.
+    throw Error(std::string("mdist::tp: cannot split ") + what + " over " + group.name() +
+                ": this rank is not a member of it");
+  }
+  const int parts = mdist::size(group);
+  const int rank = mdist::rank(group);
   if (parts <= 0 || size % parts != 0) {
     throw Error(std::string("mdist::tp: ") + what + " (" + std::to_string(size) +
                 ") does not divide by the tensor-parallel size " + std::to_string(parts));
@@ -72,9 +80,7 @@ void parallelize_column(torch::nn::LinearImpl& linear, const Group& group,
   check_not_split(linear.weight, "parallelize_column");
   const int64_t out = linear.weight.size(0);
   // Not value_or: the even split need not exist when the rows are given.
-  const RowRange rows = options.rows
-                            ? *options.rows
-                            : even_part(out, size(group), rank(group), "the output features");
+  const RowRange rows = options.rows ? *options.rows : even_part(out, group, "the output features");
   if (rows.first < 0 || rows.count <= 0 || rows.first + rows.count > out) {
     throw Error("mdist::tp::parallelize_column: rows [" + std::to_string(rows.first) + ", " +
                 std::to_string(rows.first + rows.count) + ") are not within the " +
@@ -97,8 +103,7 @@ void parallelize_column(torch::nn::LinearImpl& linear, const Group& group,
 
 void parallelize_row(torch::nn::LinearImpl& linear, const Group& group) {
   check_not_split(linear.weight, "parallelize_row");
-  const RowRange columns =
-      even_part(linear.weight.size(1), size(group), rank(group), "the input features");
+  const RowRange columns = even_part(linear.weight.size(1), group, "the input features");
   cut(linear.weight, 1, columns);
   linear.options.in_features(columns.count);
   if (!linear.bias.defined()) {
@@ -133,7 +138,7 @@ void parallelize_row(torch::nn::LinearImpl& linear, const Group& group) {
 void parallelize_vocab_embedding(torch::nn::EmbeddingImpl& embedding, const Group& group) {
   check_not_split(embedding.weight, "parallelize_vocab_embedding");
   const int64_t vocab = embedding.weight.size(0);
-  const RowRange rows = even_part(vocab, size(group), rank(group), "the vocabulary size");
+  const RowRange rows = even_part(vocab, group, "the vocabulary size");
   cut(embedding.weight, 0, rows);
   embedding.options.num_embeddings(rows.count);
   // padding_idx (no gradient for that row) applies on the rank that holds it, at its local row.
@@ -166,7 +171,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t 
                                                    Group group_, bool with_bias,
                                                    bool gather_output_)
     : group(std::move(group_)), gather_output(gather_output_) {
-  const RowRange rows = even_part(out_features, size(group), rank(group), "the output features");
+  const RowRange rows = even_part(out_features, group, "the output features");
   // torch::nn::Linear's initialisation of the full layer: U(-1/sqrt(in), 1/sqrt(in)).
   const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
   weight =
@@ -182,7 +187,7 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
 RowParallelLinearImpl::RowParallelLinearImpl(int64_t in_features, int64_t out_features,
                                              Group group_, bool with_bias, bool input_is_parallel_)
     : group(std::move(group_)), input_is_parallel(input_is_parallel_) {
-  const RowRange columns = even_part(in_features, size(group), rank(group), "the input features");
+  const RowRange columns = even_part(in_features, group, "the input features");
   const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
   weight = register_parameter("weight",
                               at::empty({out_features, columns.count}).uniform_(-bound, bound));
@@ -199,7 +204,7 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t num_embeddings_,
                                                        int64_t embedding_dim, Group group_)
     : group(std::move(group_)), num_embeddings(num_embeddings_) {
-  const RowRange rows = even_part(num_embeddings, size(group), rank(group), "the vocabulary size");
+  const RowRange rows = even_part(num_embeddings, group, "the vocabulary size");
   vocab_start = rows.first;
   weight = register_parameter("weight", at::empty({rows.count, embedding_dim}).normal_());
 }

@@ -5,6 +5,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <thread>
 
 #include "mdist/mdist.h"
 #include "tests/support/error_of.h"
@@ -78,6 +81,11 @@ TEST(Objects, BroadcastFromEverySource) {
   }
   const auto tensor = mdist::broadcast(at::full({2, 2}, mdist::rank() + 1.0), mdist::size() - 1);
   EXPECT_TRUE(at::equal(tensor, at::full({2, 2}, static_cast<double>(mdist::size()))));
+  if (mdist::size() == 1) {
+    // The reference returns obj in a world of one, whatever src is.
+    EXPECT_EQ(mdist::broadcast(1, 5), 1);
+    return;
+  }
   EXPECT_THAT(error_of([] { mdist::broadcast(1, mdist::size()); }),
               HasSubstr("broadcast: src " + std::to_string(mdist::size()) +
                         " is out of range for the world of size " + std::to_string(mdist::size())));
@@ -132,4 +140,101 @@ TEST(Objects, UserTypesThroughTheExtensionPoint) {
     EXPECT_EQ(all[r], (Calibration{"layer" + std::to_string(r), 1.5}));
   }
 }
+
+// The reference's broadcast_state_dict: every dtype and shape, from every source, also over a
+// subgroup whose group ranks differ from the global ones.
+TEST(Objects, BroadcastStateDictFromEverySource) {
+  const int me = mdist::rank();
+  const int world = mdist::size();
+  std::vector<int> reversed;
+  for (int r = world - 1; r >= 0; --r) reversed.push_back(r);
+  const mdist::Group backwards = mdist::new_group(reversed);
+  for (const mdist::Group& group : {mdist::Group::world(), backwards}) {
+    for (int src = 0; src < world; ++src) {
+      torch::manual_seed(100 + src);
+      const std::map<std::string, at::Tensor> sent = {
+          {"a.weight", at::randn({3, 4})},
+          {"b.half", at::randn({5}).to(at::kBFloat16)},
+          {"c.step", at::scalar_tensor(int64_t{41} + src, at::kLong)},
+          {"d.mask", at::rand({2, 2}) > 0.5},
+          {"e.transposed", at::randn({4, 3}).t()},
+          {"f.empty", at::empty({0, 3})},
+          {"g.fp8", at::randn({6}).to(at::kFloat8_e4m3fn)},
+      };
+      // What a non-source passes is ignored, also a dict of its own.
+      const std::map<std::string, at::Tensor> other = {{"zzz", at::ones({1})}};
+      const auto* mine = me == src ? &sent : (me % 2 == 0 ? nullptr : &other);
+      const auto got = mdist::broadcast_state_dict(mine, src, at::kCPU, group);
+      ASSERT_EQ(got.size(), sent.size());
+      for (const auto& [name, tensor] : sent) {
+        ASSERT_TRUE(got.contains(name)) << name;
+        const at::Tensor& t = got.at(name);
+        EXPECT_EQ(t.scalar_type(), tensor.scalar_type()) << name;
+        EXPECT_EQ(t.sizes(), tensor.sizes()) << name;
+        // Bit for bit, compared as bytes (float8 has no equality kernel).
+        EXPECT_TRUE(at::equal(t.contiguous().reshape({-1}).view(at::kByte),
+                              tensor.contiguous().reshape({-1}).view(at::kByte)))
+            << name << " from " << src;
+      }
+      if (me == src) {
+        EXPECT_TRUE(got.at("a.weight").is_same(sent.at("a.weight")));
+      }
+    }
+  }
+}
+
+TEST(Objects, BroadcastStateDictErrorsAreRaisedOnEveryRank) {
+  const int world = mdist::size();
+  const int src = world - 1;
+  EXPECT_THAT(error_of([&] { mdist::broadcast_state_dict(nullptr, src, at::kCPU); }),
+              HasSubstr("broadcast_state_dict: src rank " + std::to_string(src) +
+                        " passed no state dict to broadcast"));
+  const std::map<std::string, at::Tensor> undefined = {{"x", at::Tensor()}};
+  EXPECT_THAT(error_of([&] { mdist::broadcast_state_dict(&undefined, src, at::kCPU); }),
+              HasSubstr("broadcast_state_dict: tensor 'x' is undefined"));
+  EXPECT_THAT(error_of([&] { mdist::broadcast_state_dict(&undefined, world, at::kCPU); }),
+              world == 1 ? HasSubstr("tensor 'x' is undefined")
+                         : HasSubstr("src " + std::to_string(world) + " is out of range"));
+  // Nothing was left half-sent: the next collective still matches on every rank.
+  EXPECT_EQ(mdist::allreduce(1), world);
+}
+
+// The reference's FileLock between real processes: with all_acquire every rank's
+// read-modify-write of one counter file happens alone, so no increment is lost.
+TEST(FileLock, RanksTakeTurns) {
+  const int world = mdist::size();
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("mdist-file-lock-" + std::string(std::getenv("MASTER_PORT")));
+  const std::filesystem::path counter = dir / "counter";
+  const std::filesystem::path inside = dir / "inside";
+  if (mdist::rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    std::ofstream(counter) << 0;
+  }
+  mdist::barrier();
+  constexpr int kRounds = 25;
+  int overlaps = 0;
+  for (int round = 0; round < kRounds; ++round) {
+    mdist::FileLock lock(dir / "counter.lock",
+                         {.all_acquire = true, .poll_time = std::chrono::milliseconds(1)});
+    ASSERT_TRUE(lock.acquire());
+    // Exclusive creation of a marker, held while inside: it fails if another rank is in too.
+    mdist::FileLock marker(inside);
+    if (!marker.try_acquire()) ++overlaps;
+    int value = 0;
+    std::ifstream(counter) >> value;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::ofstream(counter) << value + 1;
+  }  // the marker, then the lock, are released here
+  EXPECT_EQ(overlaps, 0);
+  mdist::barrier();
+  int total = 0;
+  std::ifstream(counter) >> total;
+  EXPECT_EQ(total, kRounds * world);
+  EXPECT_FALSE(std::filesystem::exists(dir / "counter.lock"));
+  mdist::barrier();
+  if (mdist::rank() == 0) std::filesystem::remove_all(dir);
+}
+
 }  // namespace

@@ -295,6 +295,15 @@ TEST(FullyShard, BadInput) {
   EXPECT_THAT(error_of([&] { mdist::fully_shard(*mixed); }),
               HasSubstr("parameters of one unit must share a dtype, but 'fc1.weight' is Float and "
                         "'fc2.weight' is Double"));
+  // A group this rank is not in has size and rank -1 (torch's convention): nothing to shard.
+  const mdist::Group first = mdist::new_group({0});
+  if (!first.is_member()) {
+    Mlp outside = seeded_model();
+    mdist::FullyShardOptions options;
+    options.group = first;
+    EXPECT_THAT(error_of([&] { mdist::fully_shard(*outside, options); }),
+                HasSubstr(": this rank is not a member of " + first.name()));
+  }
 }
 
 }  // namespace

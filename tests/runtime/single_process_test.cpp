@@ -2,7 +2,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+
 #include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <thread>
 
 #include "mdist/mdist.h"
 #include "tests/support/error_of.h"
@@ -48,28 +55,39 @@ TEST_F(SingleProcess, ObjectCollectivesReturnTheirInput) {
   int calls = 0;
   mdist::master_only([&] { ++calls; });
   EXPECT_EQ(calls, 1);
-  EXPECT_THAT(error_of([] { mdist::broadcast(1, 1); }),
-              HasSubstr("broadcast: src 1 is out of range for the world of size 1"));
+  // As the reference (`if size() == 1: return obj`): no source or group is checked in a world
+  // of one.
+  EXPECT_EQ(mdist::broadcast(5, 1), 5);
+  EXPECT_EQ(mdist::broadcast(std::string("kept"), 3, mdist::Group::not_used()), "kept");
   EXPECT_THAT(error_of([] { mdist::allreduce(1, "avg"); }),
               HasSubstr("unsupported op 'avg' (supported: sum, max, min)"));
 }
 
 TEST_F(SingleProcess, DistributedProcessGroup) {
+  // The reference: is_initialized() is "the backend is up and the group is not -1", and rank()
+  // and world_size() are -1 when it is false; so a plain process reports false, -1, -1 even
+  // for the world.
   const mdist::DistributedProcessGroup world;
-  EXPECT_TRUE(world.is_initialized());
-  EXPECT_EQ(world.rank(), 0);
-  EXPECT_EQ(world.world_size(), 1);
-  EXPECT_EQ(world.to_string(), "DistributedProcessGroup(group=world, rank=0, world_size=1)");
+  EXPECT_FALSE(world.is_initialized());
+  EXPECT_EQ(world.rank(), -1);
+  EXPECT_EQ(world.world_size(), -1);
+  EXPECT_EQ(world.to_string(), "DistributedProcessGroup(group=world, rank=-1, world_size=-1)");
   const mdist::DistributedProcessGroup unused(mdist::Group::not_used());
   EXPECT_FALSE(unused.is_initialized());
   EXPECT_EQ(unused.rank(), -1);
   EXPECT_EQ(unused.world_size(), -1);
   EXPECT_EQ(unused.to_string(), "DistributedProcessGroup(group=not used, rank=-1, world_size=-1)");
-  // The op sees the gathered list of one; unused groups are skipped.
-  const auto twice = [](const std::vector<int>& values) { return values.at(0) * 2; };
+  // Groups that are not initialized leave the object untouched: op is never called.
+  int calls = 0;
+  const auto twice = [&](const std::vector<int>& values) {
+    ++calls;
+    return values.at(0) * 2;
+  };
   EXPECT_EQ(mdist::DistributedProcessGroup::get_dist_syncd_obj(3, {world, unused, world}, twice),
-            12);
+            3);
   EXPECT_EQ(mdist::DistributedProcessGroup::get_dist_syncd_obj(3, unused, twice), 3);
+  EXPECT_EQ(mdist::DistributedProcessGroup::get_dist_syncd_obj(3, world, twice), 3);
+  EXPECT_EQ(calls, 0);
 }
 
 TEST_F(SingleProcess, ParallelStateDefaultsFollowTheSpec) {
@@ -78,8 +96,8 @@ TEST_F(SingleProcess, ParallelStateDefaultsFollowTheSpec) {
   EXPECT_FALSE(state.tensor_parallel_group.is_initialized());
   EXPECT_FALSE(state.expert_model_parallel_group.is_initialized());
   EXPECT_EQ(state.to_string(),
-            "ParallelState(data_parallel_group=DistributedProcessGroup(group=world, rank=0, "
-            "world_size=1), tensor_parallel_group=DistributedProcessGroup(group=not used, "
+            "ParallelState(data_parallel_group=DistributedProcessGroup(group=world, rank=-1, "
+            "world_size=-1), tensor_parallel_group=DistributedProcessGroup(group=not used, "
             "rank=-1, world_size=-1), expert_model_parallel_group=DistributedProcessGroup("
             "group=not used, rank=-1, world_size=-1))");
   const auto made = mdist::make_parallel_state({});
@@ -96,6 +114,70 @@ TEST_F(SingleProcess, GroupErrors) {
               HasSubstr("new_group needs an initialized job; call setup() first"));
   EXPECT_THAT(error_of([] { mdist::allgather(1, mdist::Group::not_used()); }),
               HasSubstr("allgather on a 'not used' group"));
+}
+
+TEST(FileLock, TheReferencesProtocol) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("mdist-lock-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::filesystem::path path = dir / "out.lock";
+  {
+    mdist::FileLock first(path);
+    EXPECT_TRUE(first.try_acquire());
+    EXPECT_TRUE(first.held());
+    EXPECT_TRUE(std::filesystem::exists(path));
+    EXPECT_TRUE(first.try_acquire());  // already ours
+
+    // all_acquire = false: one try, no wait.
+    mdist::FileLock second(path);
+    EXPECT_FALSE(second.acquire());
+    EXPECT_FALSE(second.held());
+    // Releasing a lock it does not hold leaves the holder's file (the reference removes it).
+    second.release();
+    EXPECT_TRUE(std::filesystem::exists(path));
+
+    // all_acquire with a timeout: waits, then names the file.
+    mdist::FileLock waiting(path, {.all_acquire = true,
+                                   .poll_time = std::chrono::milliseconds(5),
+                                   .timeout = std::chrono::milliseconds(60)});
+    EXPECT_THAT(error_of([&] { waiting.acquire(); }),
+                HasSubstr("FileLock: " + path.string() + " is still held after 60 ms"));
+
+    first.release();
+    EXPECT_FALSE(std::filesystem::exists(path));
+    EXPECT_TRUE(second.try_acquire());
+  }  // second's destructor releases
+  EXPECT_FALSE(std::filesystem::exists(path));
+
+  // all_acquire waits for a holder that releases.
+  auto holder = std::make_unique<mdist::FileLock>(path);
+  ASSERT_TRUE(holder->try_acquire());
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    holder.reset();
+  });
+  mdist::FileLock patient(path, {.all_acquire = true, .poll_time = std::chrono::milliseconds(2)});
+  EXPECT_TRUE(patient.acquire());
+  releaser.join();
+  patient.release();
+
+  EXPECT_THAT(error_of([&] { mdist::FileLock(dir / "missing" / "x.lock").try_acquire(); }),
+              HasSubstr("FileLock: cannot create " + (dir / "missing" / "x.lock").string() +
+                        ": No such file or directory"));
+  EXPECT_THAT(error_of([&] { mdist::FileLock(path, {.poll_time = std::chrono::milliseconds(0)}); }),
+              HasSubstr("poll_time must be positive, got 0 ms"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(SingleProcess, BroadcastStateDictReturnsTheDict) {
+  const std::map<std::string, at::Tensor> dict = {{"w", at::ones({2, 3})}, {"n", at::arange(4)}};
+  const auto got = mdist::broadcast_state_dict(&dict, 0, at::kCPU);
+  ASSERT_EQ(got.size(), 2U);
+  EXPECT_TRUE(got.at("w").is_same(dict.at("w")));
+  EXPECT_TRUE(at::equal(got.at("n"), dict.at("n")));
+  EXPECT_THAT(error_of([] { mdist::broadcast_state_dict(nullptr, 0, at::kCPU); }),
+              HasSubstr("broadcast_state_dict: src rank 0 passed no state dict to broadcast"));
 }
 
 TEST(ParallelLayout, MegatronOrder) {

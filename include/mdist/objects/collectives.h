@@ -2,8 +2,10 @@
 // Object collectives: any value the codec (codec.h) supports, sizes free to differ per rank.
 //
 // Not initialized, or a group of one rank: each returns its input (allgather: {obj}), as the
-// spec says. A "not used" group, or a group this process is not in, is an Error; a peer that
-// fails or does not arrive within the group's timeout is a CommunicationError.
+// spec says; broadcast returns its input in a world of one whatever its source. A "not used"
+// group, or a group this process is not in, is an Error (the reference fails there too, less
+// clearly); a peer that fails or does not arrive within the group's timeout is a
+// CommunicationError.
 #include <algorithm>
 #include <cstdint>
 #include <functional>
@@ -44,9 +46,11 @@ T sum_of(const std::vector<T>& values) {
 }  // namespace detail
 
 // Every rank gets `obj` as sent by global rank `src` (a member of `group`), like
-// torch.distributed's broadcast with a global source rank.
+// torch.distributed's broadcast with a global source rank. As the reference, a world of one
+// process (also not initialized) returns `obj` whatever `src` and `group` are.
 template <class T>
 T broadcast(const T& obj, int src = 0, const Group& group = Group::world()) {
+  if (size() == 1) return obj;
   detail::check_broadcast_source(src, group);
   if (detail::group_size(group, "broadcast") == 1) return obj;
   const auto bytes = rank() == src ? to_bytes(obj) : std::vector<std::uint8_t>();

@@ -57,8 +57,9 @@ bool nccl_compiled();
 bool is_initialized();
 // The backend spec of the default group; empty when not initialized.
 std::optional<std::string> backend();
-// Size of / this process's rank in `group`. Throws Error for a group this process is not in
-// and for a "not used" group.
+// Size of / this process's rank in `group`; -1 for a group this process is not in, as in
+// torch.distributed (so is_master and is_last_process are false there, and barrier returns at
+// once). Throws Error for a "not used" group and for a group destroyed by cleanup().
 int size(const Group& group = Group::world());
 int rank(const Group& group = Group::world());
 // Rank on this node (LOCAL_RANK); 0 when not initialized.
