@@ -146,23 +146,11 @@ bool agent_store_serves(const LaunchEnv& env) {
          env.master_addr == addr && std::to_string(env.master_port) == port;
 }
 
-c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env,
-                                              std::chrono::milliseconds timeout) {
-  const bool hosts = env.rank == 0 && !agent_store_serves(env);
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<std::uint16_t>(env.master_port);
-  options.isServer = hosts;
-  options.numWorkers = static_cast<std::size_t>(env.world_size);
-  options.waitWorkers = true;  // every client counts itself in, rank 0 waits for them all
-  options.timeout = timeout;
-  if (hosts) {
-    if (env.store_listen_fd && !launcher_socket_used) {
-      options.masterListenFd = *env.store_listen_fd;
-      launcher_socket_used = true;
-    } else {
-      options.masterListenFd = bind_store_socket(env.master_addr, env.master_port);
-    }
-  }
+// Set by the cleanup barrier in a store whose job has ended (store_barrier below).
+constexpr const char* kJobEndedKey = "mdist/cleanup/open";
+
+c10::intrusive_ptr<c10d::Store> open_store(const LaunchEnv& env, c10d::TCPStoreOptions options,
+                                           bool hosts, std::chrono::milliseconds timeout) {
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
   const QuietTorchLogs quiet;
   try {
@@ -178,6 +166,54 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env,
     throw CommunicationError("mdist: setup failed after " + ms_text(timeout) + ": rank " +
                              std::to_string(env.rank) + " could not join the store at " + where +
                              " (" + cause + ")");
+  }
+}
+
+c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env,
+                                              std::chrono::milliseconds timeout) {
+  const bool agent = agent_store_serves(env);
+  const bool hosts = env.rank == 0 && !agent;
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(env.master_port);
+  options.isServer = hosts;
+  options.numWorkers = static_cast<std::size_t>(env.world_size);
+  options.waitWorkers = true;  // every client counts itself in, rank 0 waits for them all
+  options.timeout = timeout;
+  if (hosts) {
+    if (env.store_listen_fd && !launcher_socket_used) {
+      options.masterListenFd = *env.store_listen_fd;
+      launcher_socket_used = true;
+    } else {
+      options.masterListenFd = bind_store_socket(env.master_addr, env.master_port);
+    }
+  }
+  if (hosts || agent) return open_store(env, options, hosts, timeout);
+
+  // A second job in this process right after cleanup() (or a job started on the port a
+  // moment after another ended) can reach the previous job's store: its rank 0 leaves last and
+  // may still serve it. That store's job has ended, so it holds the cleanup barrier's key; a
+  // new job's store does not. Wait for the new one rather than rendezvous in the old one.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    options.timeout = std::max(left, std::chrono::milliseconds(1));
+    try {
+      auto store = open_store(env, options, false, timeout);
+      const QuietTorchLogs quiet;
+      if (!store->check({kJobEndedKey})) return store;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        throw CommunicationError(
+            "mdist: setup failed after " + ms_text(timeout) + ": rank " + std::to_string(env.rank) +
+            " found only the store of a job " + "that has ended at " + env.master_addr + ":" +
+            std::to_string(env.master_port) + " (is another job's rank 0 still running there?)");
+      }
+    } catch (const std::exception&) {
+      // The ended job's store closing under us ("connection reset") is expected: join the next
+      // one. Connecting itself already retries until the timeout, so past it the error stands.
+      if (std::chrono::steady_clock::now() >= deadline) throw;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
 }
 
@@ -280,7 +316,7 @@ namespace {
 // in the middle of one (closing a Gloo pair early resets the peer's connection).
 void store_barrier(const RuntimeState& state, const std::string& name) {
   const std::string arrived = "mdist/" + name + "/arrived";
-  const std::string open = "mdist/" + name + "/open";
+  const std::string open = "mdist/" + name + "/open";  // kJobEndedKey for "cleanup"
   if (state.store->add(arrived, 1) == state.env.world_size)
     state.store->set(open, std::vector<uint8_t>{1});
   state.store->wait({open}, state.timeout);

@@ -42,8 +42,12 @@ int probe(int argc, char** argv) {
     std::this_thread::sleep_for(timeout);
     return 0;
   }
-  if (mode == "setup-twice") {
-    for (int job = 0; job < 2; ++job) {
+  if (mode == "setup-twice" || mode == "setup-many") {
+    // One job after another in this process on the same port, with no pause between them: a
+    // rank must not rendezvous in the store of the job that just ended (its rank 0 may still
+    // serve it).
+    const int jobs = mode == "setup-many" ? 12 : 2;
+    for (int job = 0; job < jobs; ++job) {
       const mdist::Session session(options);
       std::cout << "job " << job << " rank " << mdist::rank() << " sum "
                 << mdist::allreduce(mdist::rank() + job) << std::endl;

@@ -124,6 +124,22 @@ TEST(Lifecycle, CleanupSkipsTheBarrierWhileAnExceptionUnwinds) {
   EXPECT_LT(result.elapsed, 20s);  // not the 60 s barrier timeout
 }
 
+// Twelve jobs back to back in each of 4 processes on one port (mdist's own store, served by
+// rank 0): no rank rendezvouses in the store of the job that just ended, so every job's
+// allreduce is its own.
+TEST(Lifecycle, JobsBackToBackInOneProcessEachMeetTheirOwnStore) {
+  const auto result = run({kLauncher, "--nproc-per-node", "4", kProbe, "setup-many", "30000"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  for (int job = 0; job < 12; ++job) {
+    for (int r = 0; r < 4; ++r) {
+      // allreduce(rank + job) over 4 ranks: 6 + 4 * job.
+      EXPECT_THAT(result.out, HasSubstr("[rank" + std::to_string(r) + "]: job " +
+                                        std::to_string(job) + " rank " + std::to_string(r) +
+                                        " sum " + std::to_string(6 + 4 * job) + "\n"));
+    }
+  }
+}
+
 // torchrun accepts an IPv6 MASTER_ADDR; rank 0 then binds the store on IPv6 and the rest join.
 TEST(Rendezvous, AnIpv6MasterAddressJoins) {
   const int port = mdist::testing::free_port();
@@ -259,12 +275,48 @@ TEST(Launchers, PMI) {
   });
 }
 
-TEST(Launchers, Slurm) {
-  expect_joins_under("Slurm", [](int r) {
-    return std::map<std::string, std::string>{{"SLURM_PROCID", std::to_string(r)},
-                                              {"SLURM_NTASKS", "2"},
-                                              {"SLURM_LOCALID", std::to_string(r)},
-                                              {"SLURM_TASKS_PER_NODE", "2"}};
+// What srun exports to task r of `srun --ntasks 2` on one node (Slurm 23), beside the
+// MASTER_ADDR / MASTER_PORT a batch script sets: the task variables and the step's layout.
+std::map<std::string, std::string> srun_vars(int r) {
+  return {{"SLURM_JOB_ID", "4242"},
+          {"SLURM_JOBID", "4242"},
+          {"SLURM_STEP_ID", "0"},
+          {"SLURM_STEPID", "0"},
+          {"SLURM_PROCID", std::to_string(r)},
+          {"SLURM_LOCALID", std::to_string(r)},
+          {"SLURM_GTIDS", "0,1"},
+          {"SLURM_NODEID", "0"},
+          {"SLURM_NTASKS", "2"},
+          {"SLURM_NPROCS", "2"},
+          {"SLURM_NNODES", "1"},
+          {"SLURM_JOB_NUM_NODES", "1"},
+          {"SLURM_STEP_NUM_TASKS", "2"},
+          {"SLURM_STEP_NUM_NODES", "1"},
+          {"SLURM_TASKS_PER_NODE", "2"},
+          {"SLURM_STEP_TASKS_PER_NODE", "2"},
+          {"SLURM_NODELIST", "node[07]"},
+          {"SLURM_JOB_NODELIST", "node[07]"},
+          {"SLURM_STEP_NODELIST", "node[07]"},
+          {"SLURMD_NODENAME", "node07"},
+          {"SLURM_CPUS_ON_NODE", "2"},
+          {"SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"},
+          {"SLURM_SRUN_COMM_HOST", "127.0.0.1"},
+          {"SLURM_TOPOLOGY_ADDR", "node07"},
+          {"SLURM_CPU_BIND", "quiet,mask_cpu:0x1"}};
+}
+
+TEST(Launchers, Slurm) { expect_joins_under("Slurm", srun_vars); }
+
+// torchrun started inside a Slurm allocation (the batch step: task 0 of 1 on each node) sets
+// its own variables for each rank: those win over the batch step's SLURM_PROCID / NTASKS.
+TEST(Launchers, TorchrunInsideASlurmAllocation) {
+  expect_joins_under("torchrun", [](int r) {
+    auto vars = srun_vars(0);
+    vars["SLURM_NTASKS"] = vars["SLURM_NPROCS"] = vars["SLURM_TASKS_PER_NODE"] = "1";
+    vars["SLURM_GTIDS"] = "0";
+    vars["RANK"] = vars["LOCAL_RANK"] = std::to_string(r);
+    vars["WORLD_SIZE"] = vars["LOCAL_WORLD_SIZE"] = "2";
+    return vars;
   });
 }
 
