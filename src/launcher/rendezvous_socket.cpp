@@ -139,8 +139,10 @@ UniqueFd listen_for_nodes(const LaunchOptions& options, std::uint16_t port, std:
   std::string why;
   const std::vector<Endpoint> endpoints = resolve(options.master_addr, port, why);
   if (endpoints.empty()) return all_interfaces("does not resolve here (" + why + ")");
+  // "localhost" means what it says (several "nodes" on one host), as a numeric address does.
   const bool numeric = parse_ipv4(options.master_addr).has_value() ||
-                       options.master_addr.find(':') != std::string::npos;
+                       options.master_addr.find(':') != std::string::npos ||
+                       options.master_addr == "localhost";
   for (const Endpoint& endpoint : endpoints) {
     // Debian maps the host's own name to 127.0.1.1: other nodes resolve it to a real address.
     if (!numeric && endpoint.is_loopback()) {

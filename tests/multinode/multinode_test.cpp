@@ -151,7 +151,7 @@ class MultiNode : public ::testing::Test {
                                      "--nproc-per-node",
                                      "2",
                                      "--master-addr",
-                                     NetnsPair::kAddress[0],
+                                     master_addr_,
                                      "--master-port",
                                      std::to_string(kPort)};
     argv.insert(argv.end(), program.begin(), program.end());
@@ -182,11 +182,17 @@ class MultiNode : public ::testing::Test {
   }
 
   std::unique_ptr<NetnsPair> nodes_;
+  std::string master_addr_ = NetnsPair::kAddress[0];  // --master-addr, node 0's
   fs::path dir_;
   std::vector<std::string> logs_;
 };
 
-TEST_F(MultiNode, ApiWorksAcrossTwoNodesWithoutGlooSocketIfname) {
+// MASTER_ADDR as an IPv4 address, an IPv6 address and a host name (which, like this machine's
+// own name, the Gloo default device would not have used).
+class MultiNodeMasterAddr : public MultiNode, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(MultiNodeMasterAddr, ApiWorksAcrossTwoNodesWithoutGlooSocketIfname) {
+  master_addr_ = GetParam();
   const std::vector<int> codes = run_both({MDIST_MULTINODE_PROBE});
   ASSERT_EQ(codes, (std::vector<int>{0, 0})) << describe();
   for (int rank = 0; rank < 4; ++rank) {
@@ -196,6 +202,16 @@ TEST_F(MultiNode, ApiWorksAcrossTwoNodesWithoutGlooSocketIfname) {
     EXPECT_THAT(logs_[static_cast<std::size_t>(rank / 2)], HasSubstr(expected)) << describe();
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Addresses, MultiNodeMasterAddr,
+                         ::testing::Values(NetnsPair::kAddress[0], NetnsPair::kAddress6[0],
+                                           NetnsPair::kHostName[0]),
+                         [](const auto& param_info) {
+                           const std::string addr = param_info.param;
+                           return addr == NetnsPair::kAddress[0]    ? std::string("IPv4")
+                                  : addr == NetnsPair::kAddress6[0] ? std::string("IPv6")
+                                                                    : std::string("HostName");
+                         });
 
 TEST_F(MultiNode, NodeZeroStoreListensOnMasterAddrOnly) {
   const std::vector<std::string> argv = {MDIST_LAUNCHER,

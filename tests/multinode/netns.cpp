@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <thread>
 
@@ -61,9 +62,14 @@ void kill_everything_in(const std::string& netns) {
   }
 }
 
+// Where `ip netns exec` finds the files it mounts over /etc for that namespace.
+fs::path etc_of(const std::string& netns) { return fs::path("/etc/netns") / netns; }
+
 void remove_netns(const std::string& netns) {
   kill_everything_in(netns);
   (void)ip({"netns", "delete", netns});
+  std::error_code ignored;
+  fs::remove_all(etc_of(netns), ignored);
 }
 
 // Namespaces named after a test process that no longer exists (killed by a timeout, so no
@@ -113,6 +119,9 @@ std::unique_ptr<NetnsPair> NetnsPair::create(std::string& why) {
     const std::string& dev = pair->interface(node);
     steps.push_back({"link", "set", dev, "netns", ns});
     steps.push_back({"-n", ns, "addr", "add", std::string(kAddress[node]) + "/24", "dev", dev});
+    // nodad: usable at once, not "tentative" for the second duplicate address detection takes.
+    steps.push_back(
+        {"-n", ns, "addr", "add", std::string(kAddress6[node]) + "/64", "dev", dev, "nodad"});
     steps.push_back({"-n", ns, "link", "set", dev, "up"});
     steps.push_back({"-n", ns, "link", "set", "lo", "up"});
   }
@@ -122,6 +131,20 @@ std::unique_ptr<NetnsPair> NetnsPair::create(std::string& why) {
       // Anything half made is removed by the destructor; a veth end still outside the
       // namespaces goes with its peer.
       (void)ip({"link", "delete", pair->interface(0)});
+      return nullptr;
+    }
+  }
+  // This host's own /etc/hosts (so its own name resolves as before), plus the node names.
+  std::ostringstream hosts;
+  hosts << std::ifstream("/etc/hosts").rdbuf() << "\n";
+  for (int node = 0; node < 2; ++node) hosts << kAddress[node] << " " << kHostName[node] << "\n";
+  for (int node = 0; node < 2; ++node) {
+    std::error_code ec;
+    fs::create_directories(etc_of(pair->name(node)), ec);
+    std::ofstream out(etc_of(pair->name(node)) / "hosts");
+    out << hosts.str();
+    if (ec || !out.flush()) {
+      why = "cannot write " + (etc_of(pair->name(node)) / "hosts").string();
       return nullptr;
     }
   }

@@ -1,6 +1,8 @@
 #pragma once
 // Two network namespaces joined by a veth pair, standing in for two nodes on one network: node
-// 0 has 10.231.0.1/24, node 1 10.231.0.2/24, each with its own loopback. The addresses exist
+// 0 has 10.231.0.1/24 and fd00:231::1/64, node 1 10.231.0.2/24 and fd00:231::2/64, each with
+// its own loopback, and both resolve the names mdist-node0 and mdist-node1 to the IPv4
+// addresses (an /etc/hosts of their own, which `ip netns exec` mounts). The addresses exist
 // only inside the namespaces, and the names carry this process's id and a counter, so parallel
 // test runs never collide. The destructor kills whatever still runs inside and removes both
 // namespaces (and with them the veth pair); namespaces left by a test process that was killed
@@ -15,6 +17,8 @@ namespace mdist::testing {
 class NetnsPair {
  public:
   static constexpr const char* kAddress[2] = {"10.231.0.1", "10.231.0.2"};
+  static constexpr const char* kAddress6[2] = {"fd00:231::1", "fd00:231::2"};
+  static constexpr const char* kHostName[2] = {"mdist-node0", "mdist-node1"};
 
   // Nullptr with `why` set when namespaces cannot be made here (not root, no `ip`, ...).
   static std::unique_ptr<NetnsPair> create(std::string& why);
