@@ -5,6 +5,7 @@ set -euo pipefail
 packages=(
   cmake g++ make ccache unzip       # build
   libgtest-dev libgmock-dev         # tests
+  iproute2                          # ip netns: two "nodes" on one machine (tests/multinode)
   libbenchmark-dev                  # bench/
   libgloo-dev                       # Gloo headers: the torch wheel ships libgloo inside libtorch_cpu, no headers
   libcli11-dev                      # command-line parsing (mdistrun)

@@ -18,7 +18,9 @@ struct Rendezvous {
   std::string warning;            // non-empty: a note for stderr (e.g. an ignored --master-addr)
 };
 
-// Single node: binds loopback only. Multi-node: node 0 binds 0.0.0.0, other nodes bind nothing.
+// Single node: binds loopback only. Multi-node: node 0 binds --master-addr's address (all
+// interfaces when it is not given or not one of this host's, with a warning); other nodes bind
+// nothing.
 // Throws LaunchError (exit code 1) when the socket cannot be bound.
 [[nodiscard]] Rendezvous open_rendezvous(const LaunchOptions& options);
 

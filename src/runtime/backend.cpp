@@ -1,5 +1,6 @@
 // Builds c10d process groups from a backend spec ("gloo", "nccl", "cpu:gloo,cuda:nccl").
 #include <cstdlib>
+#include <stdexcept>
 #include <string_view>
 #include <utility>
 
@@ -11,6 +12,8 @@
 #endif
 
 #include "mdist/error.h"
+#include "src/runtime/group_state.h"
+#include "src/runtime/interface.h"
 #include "src/runtime/runtime_state.h"
 
 namespace mdist::detail {
@@ -63,19 +66,41 @@ bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
 }
 
+// Gloo's device (the address its pairs listen on and publish to the other ranks), and in
+// `state.gloo_endpoint` a description of it for error messages.
 std::shared_ptr<::gloo::transport::Device> gloo_device(RuntimeState& state) {
-  if (!state.gloo_device) {
-    // GLOO_SOCKET_IFNAME picks the interface as in torch.distributed; a loopback job stays
-    // on loopback so nothing listens on other interfaces.
-    if (const char* const ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
-      state.gloo_device = c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
-    } else if (is_loopback(state.env.master_addr)) {
-      state.gloo_device = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-    } else {
-      state.gloo_device = c10d::ProcessGroupGloo::createDefaultDevice();
-    }
+  if (state.gloo_device) return state.gloo_device;
+  const std::string& master = state.env.master_addr;
+  if (const char* const ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+    // As in torch.distributed, an explicit interface always wins.
+    state.gloo_endpoint = std::string("interface ") + ifname + " (GLOO_SOCKET_IFNAME)";
+    state.gloo_device = c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  } else if (is_loopback(master)) {
+    // A loopback job stays on loopback, so nothing listens on other interfaces.
+    state.gloo_endpoint = "127.0.0.1 (MASTER_ADDR " + master + " is loopback)";
+    state.gloo_device = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  } else if (std::string why; const auto route = route_toward(master, state.env.master_port, why)) {
+    // The address the kernel routes toward MASTER_ADDR reaches node 0, so in the usual flat
+    // cluster network it reaches every other node as well (MASTER_ADDR may be our own address).
+    const std::string on = route->interface.empty() ? "" : " on " + route->interface;
+    state.gloo_endpoint = route->address + on + " (the route to MASTER_ADDR " + master + ")";
+    // A link-local IPv6 address needs its interface to bind; Gloo then takes it from there.
+    state.gloo_device = route->link_local && !route->interface.empty()
+                            ? c10d::ProcessGroupGloo::createDeviceForInterface(route->interface)
+                            : c10d::ProcessGroupGloo::createDeviceForHostname(route->address);
+  } else {
+    state.gloo_endpoint = "this host's name (" + why + ")";
+    state.gloo_device = c10d::ProcessGroupGloo::createDefaultDevice();
   }
   return state.gloo_device;
+}
+
+// Gloo's connect errors name neither the local address nor the remedy: add both.
+std::runtime_error with_gloo_endpoint(const RuntimeState& state, const std::exception& error) {
+  const std::string endpoint = state.gloo_endpoint.empty() ? "an address" : state.gloo_endpoint;
+  return std::runtime_error(first_line(error) + "; Gloo used " + endpoint +
+                            "; set GLOO_SOCKET_IFNAME to the interface that reaches the other "
+                            "nodes if that is the wrong one");
 }
 
 }  // namespace
@@ -86,11 +111,16 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
   const BackendChoice choice = parse_backend_spec(state.backend_spec);
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, group_rank, size);
   if (choice.cpu_gloo || choice.cuda_gloo) {
-    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-    options->devices.push_back(gloo_device(state));
-    options->threads = 2;
-    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("gloo/", store), group_rank, size, options);
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+    try {
+      auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+      options->devices.push_back(gloo_device(state));
+      options->threads = 2;
+      gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          c10::make_intrusive<c10d::PrefixStore>("gloo/", store), group_rank, size, options);
+    } catch (const std::exception& error) {
+      throw with_gloo_endpoint(state, error);
+    }
     if (choice.cpu_gloo) pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::GLOO, gloo);
     if (choice.cuda_gloo) pg->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::GLOO, gloo);
     pg->setDefaultBackend(c10d::ProcessGroup::GLOO);

@@ -87,9 +87,26 @@ bool is_ipv6(const std::string& addr) {
   return v6 && !v4;
 }
 
-// Where rank 0's own client reaches the store it hosts.
-std::string own_store_host(const std::string& master_addr) {
-  return is_ipv6(master_addr) ? "::1" : "127.0.0.1";
+// Where rank 0's own client reaches the store it hosts: the address its socket is bound to
+// (mdistrun binds a multi-node store to --master-addr's address only), or loopback when it
+// listens on every interface.
+std::string own_store_host(int listen_fd) {
+  sockaddr_storage bound{};
+  socklen_t length = sizeof(bound);
+  if (::getsockname(listen_fd, reinterpret_cast<sockaddr*>(&bound), &length) != 0) {
+    return "127.0.0.1";
+  }
+  char text[INET6_ADDRSTRLEN] = {};
+  if (bound.ss_family == AF_INET6) {
+    const auto& v6 = reinterpret_cast<const sockaddr_in6&>(bound);
+    if (IN6_IS_ADDR_UNSPECIFIED(&v6.sin6_addr)) return "::1";
+    ::inet_ntop(AF_INET6, &v6.sin6_addr, text, sizeof(text));
+    return text;
+  }
+  const auto& v4 = reinterpret_cast<const sockaddr_in&>(bound);
+  if (v4.sin_addr.s_addr == htonl(INADDR_ANY)) return "127.0.0.1";
+  ::inet_ntop(AF_INET, &v4.sin_addr, text, sizeof(text));
+  return text;
 }
 
 // Rank 0 binds the store's socket itself (unless mdistrun already did), so that a port in
@@ -155,7 +172,7 @@ c10::intrusive_ptr<c10d::Store> open_store(const LaunchEnv& env, c10d::TCPStoreO
   const QuietTorchLogs quiet;
   try {
     return c10::make_intrusive<c10d::TCPStore>(
-        hosts ? own_store_host(env.master_addr) : env.master_addr, options);
+        hosts ? own_store_host(*options.masterListenFd) : env.master_addr, options);
   } catch (const std::exception& error) {
     const std::string cause = detail::first_line(error);
     if (hosts) {

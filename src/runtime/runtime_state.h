@@ -23,6 +23,7 @@ struct RuntimeState {
   std::chrono::milliseconds timeout{0};
   c10::intrusive_ptr<c10d::Store> store;
   std::shared_ptr<::gloo::transport::Device> gloo_device;  // shared by every Gloo group
+  std::string gloo_endpoint;  // the device's address and why it was chosen, for error messages
   std::shared_ptr<GroupState> world;
   std::vector<std::shared_ptr<GroupState>> groups;  // every group made, destroyed on cleanup
   int next_group_id = 1;

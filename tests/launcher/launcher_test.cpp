@@ -406,7 +406,9 @@ TEST(LauncherTest, MultiNodeOtherNodeBindsNothing) {
   }
 }
 
-TEST(LauncherTest, MultiNodeNodeZeroListensOnAllInterfaces) {
+TEST(LauncherTest, MultiNodeNodeZeroListensOnAllInterfacesWhenMasterAddrIsNotLocal) {
+  // 10.1.2.3 is not this host's (as a NAT or load-balancer address would not be): the store
+  // listens everywhere, as torchrun's does, and says so once.
   int port = 0;
   {
     const HeldPort probe_port;
@@ -415,12 +417,41 @@ TEST(LauncherTest, MultiNodeNodeZeroListensOnAllInterfaces) {
   const RunResult r = run({"--nnodes", "2", "--node-rank", "0", "--master-addr", "10.1.2.3",
                            "--master-port", std::to_string(port), kProbe, "print-env"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err,
+            "mdistrun: --master-addr 10.1.2.3 is not an address of this host; the store listens "
+            "on all interfaces\n");
   const auto vars = parse_rank_vars(r.out);
   const auto& v = vars.at(0);
   EXPECT_EQ(v.at("WORLD_SIZE"), "2");
   EXPECT_EQ(v.at("MASTER_ADDR"), "10.1.2.3");
   EXPECT_EQ(v.at("LISTEN_FD_LISTENING"), "1");
   EXPECT_EQ(v.at("LISTEN_FD_ADDR"), "0.0.0.0:" + std::to_string(port));
+}
+
+TEST(LauncherTest, MultiNodeNodeZeroListensOnMasterAddrWhenItIsLocal) {
+  // Every 127.x address is this host's; tests/multinode does the same with a veth address.
+  int port = 0;
+  {
+    const HeldPort probe_port;
+    port = probe_port.port;
+  }
+  const RunResult r = run({"--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.2",
+                           "--master-port", std::to_string(port), kProbe, "print-env"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  const auto vars = parse_rank_vars(r.out);
+  EXPECT_EQ(vars.at(0).at("MASTER_ADDR"), "127.0.0.2");
+  EXPECT_EQ(vars.at(0).at("LISTEN_FD_ADDR"), "127.0.0.2:" + std::to_string(port));
+}
+
+TEST(LauncherTest, MaxRestartsOnSeveralNodesIsRefusedWithExitCodeTwo) {
+  const RunResult r = run({"--nnodes", "2", "--node-rank", "0", "--master-port", "29500",
+                           "--max-restarts", "1", kProbe, "print-env"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err,
+            "mdistrun: --max-restarts needs a single node (--nnodes 1): restarting several nodes "
+            "together needs an agent rendezvous mdistrun does not have (see 'mdistrun --help')\n");
 }
 
 TEST(LauncherTest, ArgumentsAfterProgramBelongToTheProgram) {
