@@ -76,7 +76,7 @@ export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1}"
 # With MDIST_FUZZ_MERGE=1 the new inputs that reach coverage the committed corpus does not are
 # then merged into it: -merge=1 keeps everything already there (regress-* inputs stay even
 # when they add no coverage) and adds, of the new inputs, the fewest and smallest that cover
-# the new features, so the corpus grows only as far as it is worth.
+# the new edges, so the corpus grows only as far as it is worth.
 #   fuzz NAME COMMITTED_CORPUS_DIR NEW_CORPUS_DIR READ_ONLY_CORPUS_DIR...
 fuzz() {
   local name="$1" committed="$2" corpus_dir="$3"
@@ -102,7 +102,10 @@ fuzz() {
   if [[ "${MDIST_FUZZ_MERGE:-0}" == 1 ]]; then
     local before after
     before="$(find "$committed" -type f | wc -l)"
-    if ! "$build/bin/$name" -merge=1 -rss_limit_mb=4096 -max_len=65536 -timeout=30 \
+    # -use_counters=0: an input is kept for reaching an edge the corpus never reached, not
+    # for reaching a known one more often (hit-count buckets would keep hundreds of inputs
+    # differing only in how many JSON keys or vector elements they hold).
+    if ! "$build/bin/$name" -merge=1 -use_counters=0 -rss_limit_mb=4096 -max_len=65536 -timeout=30 \
       "$committed" "$corpus_dir" > "$build/$name.merge.log" 2>&1; then
       tail -n 40 "$build/$name.merge.log" >&2
       echo "run_fuzz: merging $name's new inputs into $committed failed" >&2
@@ -110,7 +113,8 @@ fuzz() {
     fi
     after="$(find "$committed" -type f | wc -l)"
     echo "run_fuzz: $name: merged $((after - before)) inputs into $committed" \
-      "($after files, $(du -sk "$committed" | cut -f1) KB); review and commit them"
+      "($after files, $(find "$committed" -type f -printf '%s\n' | awk '{ s += $1 } END { print s }')" \
+      "bytes); review and commit them"
   fi
 }
 
