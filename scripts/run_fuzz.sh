@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets with clang and runs the object decoder fuzzer for a fixed
-# budget. CI calls it; it exits non-zero when the fuzzer finds a crash, a sanitizer report,
-# a leak, an input over the memory limit or a hang.
+# Builds the libFuzzer targets with clang and runs each fuzzer (object decoder, safetensors
+# reader) for a fixed budget, seeded with the corpus kept in the repository
+# (fuzz/corpus/<target>/). CI calls it; it exits non-zero when a fuzzer finds a crash, a
+# sanitizer report, a leak, an input over the memory limit or a hang.
 #
-#   scripts/run_fuzz.sh                      # 60 s per fuzzer
-#   MDIST_FUZZ_SECONDS=600 scripts/run_fuzz.sh
+#   scripts/run_fuzz.sh                      # 60 s per fuzzer, the committed corpus unchanged
+#   scripts/fuzz_long.sh                     # 10 min per fuzzer, new inputs merged back
 #
 # Environment:
 #   MDIST_FUZZ_SECONDS    fuzzing time in seconds for each fuzzer (default 60); the safetensors
@@ -13,6 +14,8 @@
 #   MDIST_FUZZ_CXX        clang++ to build with (default: clang++, else clang++-NN)
 #   MDIST_FUZZ_JOBS       parallel compile jobs (default 2)
 #   MDIST_FUZZ_ARTIFACTS  where reproducers of failures go (default <build dir>/fuzz-artifacts)
+#   MDIST_FUZZ_MERGE      1: after a clean run, merge the inputs that add coverage into
+#                         fuzz/corpus/<target>/ (libFuzzer -merge=1; scripts/fuzz_long.sh sets it)
 # Extra arguments are libFuzzer flags (e.g. -seed=1). To rerun a reproducer:
 #   ASAN_OPTIONS=detect_leaks=1 build-fuzz/bin/object_decoder_fuzzer <file>
 set -euo pipefail
@@ -69,17 +72,21 @@ export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1}"
 
 # Runs one fuzzer for the budget. New inputs go to the first corpus directory (a temporary
-# one); the other directories (generated seeds, committed reproducers, fixtures) are only read.
-#   fuzz NAME NEW_CORPUS_DIR READ_ONLY_CORPUS_DIR...
+# one); the other directories (the committed corpus, generated seeds, fixtures) are only read.
+# With MDIST_FUZZ_MERGE=1 the new inputs that reach coverage the committed corpus does not are
+# then merged into it: -merge=1 keeps everything already there (regress-* inputs stay even
+# when they add no coverage) and adds, of the new inputs, the fewest and smallest that cover
+# the new edges, so the corpus grows only as far as it is worth.
+#   fuzz NAME COMMITTED_CORPUS_DIR NEW_CORPUS_DIR READ_ONLY_CORPUS_DIR...
 fuzz() {
-  local name="$1" corpus_dir="$2"
-  shift 2
+  local name="$1" committed="$2" corpus_dir="$3"
+  shift 3
   local log="$build/$name.log"
   mkdir -p "$corpus_dir"
   set +e
   "$build/bin/$name" -max_total_time="$seconds" -rss_limit_mb=4096 -max_len=65536 \
     -timeout=30 -print_final_stats=1 -artifact_prefix="$artifacts/" "${extra_args[@]}" \
-    "$corpus_dir" "$@" > "$log" 2>&1
+    "$corpus_dir" "$committed" "$@" > "$log" 2>&1
   local status=$?
   set -e
   local runs corpus
@@ -92,10 +99,28 @@ fuzz() {
     exit 1
   fi
   echo "run_fuzz: $name OK: ${runs:-?} executions in ${seconds} s, $corpus new corpus units"
+  if [[ "${MDIST_FUZZ_MERGE:-0}" == 1 ]]; then
+    local before after
+    before="$(find "$committed" -type f | wc -l)"
+    # -use_counters=0: an input is kept for reaching an edge the corpus never reached, not
+    # for reaching a known one more often (hit-count buckets would keep hundreds of inputs
+    # differing only in how many JSON keys or vector elements they hold).
+    if ! "$build/bin/$name" -merge=1 -use_counters=0 -rss_limit_mb=4096 -max_len=65536 -timeout=30 \
+      "$committed" "$corpus_dir" > "$build/$name.merge.log" 2>&1; then
+      tail -n 40 "$build/$name.merge.log" >&2
+      echo "run_fuzz: merging $name's new inputs into $committed failed" >&2
+      exit 1
+    fi
+    after="$(find "$committed" -type f | wc -l)"
+    echo "run_fuzz: $name: merged $((after - before)) inputs into $committed" \
+      "($after files, $(find "$committed" -type f -printf '%s\n' | awk '{ s += $1 } END { print s }')" \
+      "bytes); review and commit them"
+  fi
 }
 
 extra_args=("$@")
-fuzz object_decoder_fuzzer "$work/corpus" "$work/seeds" "$repo/fuzz/corpus/object_decoder"
-# The safetensors reader: same budget, seeded with the test fixtures (files written by the
-# official safetensors library).
-fuzz safetensors_fuzzer "$work/safetensors_corpus" "$repo/tests/hf/fixtures"
+fuzz object_decoder_fuzzer "$repo/fuzz/corpus/object_decoder" "$work/corpus" "$work/seeds"
+# The safetensors reader: same budget, seeded with its committed corpus and the test fixtures
+# (files written by the official safetensors library).
+fuzz safetensors_fuzzer "$repo/fuzz/corpus/safetensors" "$work/safetensors_corpus" \
+  "$repo/tests/hf/fixtures"
