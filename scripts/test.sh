@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup.sh
+cmake --build build -j "$(nproc)" # the tests and benchmarks setup.sh leaves out
 ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600
 if [[ "${MDIST_SANITIZE:-0}" == 1 ]]; then
   scripts/sanitize.sh
