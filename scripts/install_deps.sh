@@ -10,6 +10,7 @@ packages=(
   libgloo-dev                       # Gloo headers: the torch wheel ships libgloo inside libtorch_cpu, no headers
   libcli11-dev                      # command-line parsing (mdistrun)
   nlohmann-json3-dev                # JSON (safetensors headers, src/hf/)
+  libpcre2-dev libutf8proc-dev      # tokenizer.json: Unicode regexes (PCRE2 JIT), normalization (NFC/NFKC)
   clang libclang-rt-14-dev          # libFuzzer targets (fuzz/)
 )
 
