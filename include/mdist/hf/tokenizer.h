@@ -81,6 +81,11 @@ class Tokenizer {
   std::optional<std::int32_t> bos_token_id() const;
   std::optional<std::int32_t> eos_token_id() const;
   std::optional<std::int32_t> pad_token_id() const;
+  // add_bos_token / add_eos_token of tokenizer_config.json when set there. encode() does not
+  // read them (tokenizers does not either: its post-processor decides), they are for callers
+  // that build sequences themselves.
+  std::optional<bool> add_bos_token() const;
+  std::optional<bool> add_eos_token() const;
 
   // One line for logs: "byte-level BPE, 151643 tokens + 22 added (tokenizer.json)".
   std::string description() const;
