@@ -59,6 +59,12 @@ std::optional<std::int32_t> config_token(const Json& config, const char* key,
 
 void Tokenizer::Impl::encode_valid(std::string_view text, bool continuation,
                                    std::vector<std::int32_t>& out) const {
+  // Pieces keeps 32-bit offsets.
+  if (text.size() >= (std::size_t{1} << 31)) {
+    throw TokenizerError("mdist::hf::Tokenizer::encode: a text of " + std::to_string(text.size()) +
+                         " bytes is over the 2 GiB a single encode takes; encode it in parts "
+                         "(StreamEncoder cuts at newlines)");
+  }
   std::vector<tok::Segment> raw, normalized_segments;
   tok::Pieces pieces, pre_tokenized;
   std::string segment;

@@ -9,6 +9,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -163,6 +164,30 @@ TEST_P(Family, StreamEncoderEqualsWholeEncode) {
     stream.finish(again);
     EXPECT_EQ(again, tokenizer.encode("Hello world", false));
   }
+}
+
+TEST_P(Family, ConcurrentEncodesShareTheWordCache) {
+  const auto tokenizer = Tokenizer::from_directory(dir_);
+  const auto lines = corpus_lines(corpus_);
+  std::vector<std::vector<std::int32_t>> expected;
+  for (const auto& line : lines) expected.push_back(tokenizer.encode(line, true));
+  std::vector<int> mismatches(4, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 20; ++round) {
+        for (std::size_t k = 0; k < lines.size(); ++k) {
+          // Each thread walks the lines in another order, so cache fills and hits interleave.
+          const auto i = (k * static_cast<std::size_t>(t + 1) + static_cast<std::size_t>(round)) %
+                         lines.size();
+          if (tokenizer.encode(lines[i], true) != expected[i])
+            ++mismatches[static_cast<std::size_t>(t)];
+        }
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(mismatches, std::vector<int>(4, 0));
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, Family, ::testing::ValuesIn(kFamilies),
