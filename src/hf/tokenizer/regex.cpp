@@ -25,9 +25,46 @@ pcre2_match_data* thread_match_data() {
   return data.get();
 }
 
+// tokenizers compiles its patterns with Oniguruma, whose Unicode \w also takes combining marks
+// (Letter, Mark, Decimal_Number, Connector_Punctuation); PCRE2 10.42's UCP \w does not, so \w
+// and \W are spelled out with those properties. Everything else means the same in both.
+std::string onig_to_pcre2(const std::string& pattern) {
+  constexpr const char* kWord = R"(\p{L}\p{M}\p{Nd}\p{Pc})";
+  std::string out;
+  out.reserve(pattern.size() + 32);
+  bool in_class = false;
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    if (c == '\\' && i + 1 < pattern.size()) {
+      const char next = pattern[++i];
+      if (next == 'w') {
+        out += in_class ? std::string(kWord) : "[" + std::string(kWord) + "]";
+      } else if (next == 'W' && !in_class) {
+        out += "[^" + std::string(kWord) + "]";
+      } else {
+        out += c;
+        out += next;
+      }
+      continue;
+    }
+    if (c == '[' && !in_class) {
+      in_class = true;
+      out += c;
+      // A ']' right after '[' or '[^' is a literal member, not the end.
+      if (i + 1 < pattern.size() && pattern[i + 1] == '^') out += pattern[++i];
+      if (i + 1 < pattern.size() && pattern[i + 1] == ']') out += pattern[++i];
+      continue;
+    }
+    if (c == ']' && in_class) in_class = false;
+    out += c;
+  }
+  return out;
+}
+
 }  // namespace
 
-Regex::Regex(const std::string& pattern) {
+Regex::Regex(const std::string& onig_pattern) {
+  const std::string pattern = onig_to_pcre2(onig_pattern);
   int error = 0;
   PCRE2_SIZE offset = 0;
   auto* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),

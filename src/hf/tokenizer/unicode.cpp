@@ -114,27 +114,18 @@ bool is_alphanumeric(std::int32_t cp) {
 }
 
 void normalize_unicode(std::string& s, NormalForm form) {
-  // Code points below U+0300 are stable under every normal form except the compatibility
-  // ones (which map e.g. U+00BD), so byte values below 0xCC need no work for NFC/NFD.
-  if (form == NormalForm::kNFC || form == NormalForm::kNFD) {
-    bool simple = true;
-    for (const char c : s) {
-      if (static_cast<unsigned char>(c) >= 0xCC) {
-        simple = false;
-        break;
-      }
+  // Code points below U+0300 are NFC-stable (the first that can change under composition is
+  // the combining grave, U+0300, whose UTF-8 lead byte is 0xCC); NFD and the compatibility forms
+  // change Latin-1 letters too, so only ASCII is skipped for them.
+  const unsigned char limit = form == NormalForm::kNFC ? 0xCC : 0x80;
+  bool unchanged = true;
+  for (const char c : s) {
+    if (static_cast<unsigned char>(c) >= limit) {
+      unchanged = false;
+      break;
     }
-    if (simple) return;
-  } else {
-    bool ascii = true;
-    for (const char c : s) {
-      if (static_cast<unsigned char>(c) >= 0x80) {
-        ascii = false;
-        break;
-      }
-    }
-    if (ascii) return;
   }
+  if (unchanged) return;
   int options = UTF8PROC_STABLE;
   switch (form) {
     case NormalForm::kNFC:

@@ -50,6 +50,7 @@ CORPUS_LINES = [
     "URL: https://example.com/path?q=1&r=2#frag email: a.b@c.org",
     "CamelCaseIdentifier snake_case_identifier kebab-case-identifier",
     "I'LL SHOUT IT'S WE'VE THEY'RE",
+    "Turkish İstanbul ΣΊΣΥΦΟΣ Straße ǅemal",
 ]
 # Invalid UTF-8: lone continuation bytes, truncated sequences, overlongs, surrogates, > U+10FFFF.
 INVALID_LINES = [
@@ -68,12 +69,13 @@ def corpus_bytes():
 
 
 def train(model, pre_tokenizer, normalizer, text, vocab_size, byte_level, limit_alphabet=None,
-          special=()):
+          special=(), **trainer_args):
     tok = Tokenizer(model)
     if normalizer is not None:
         tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizer
-    kwargs = dict(vocab_size=vocab_size, special_tokens=list(special), show_progress=False)
+    kwargs = dict(vocab_size=vocab_size, special_tokens=list(special), show_progress=False,
+                  **trainer_args)
     if byte_level:
         kwargs["initial_alphabet"] = pre_tokenizers.ByteLevel.alphabet()
     if limit_alphabet is not None:
@@ -188,6 +190,54 @@ def families(text):
         {"bos_token": "<s>", "eos_token": "</s>"}
 
 
+def variant_families(text):
+    """Components the main families do not use, so that each supported one has a reference."""
+    # WordPiece-like BPE: continuing_subword_prefix (tokenizers 0.23.3 panics loading a trained
+    # model that also has an end_of_word_suffix, so that one has no fixture), <unk> without byte fallback or
+    # fusing; NFD + Lowercase + Strip + regex Replace; Split with String and Regex patterns and
+    # the MergedWithPrevious / MergedWithNext / Contiguous / Removed behaviors; Roberta
+    # post-processor; no decoder (tokens joined by spaces).
+    pre = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(" ", behavior="merged_with_previous"),
+        pre_tokenizers.Split(Regex(r"[,.;:!?]"), behavior="merged_with_next"),
+        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="contiguous"),
+        pre_tokenizers.Split(Regex(r"[\t\n]"), behavior="removed")])
+    norm = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(), normalizers.Strip(),
+                                 normalizers.Replace(Regex(r"\d{4,}"), "#")])
+    tok = train(models.BPE(unk_token="<unk>", continuing_subword_prefix="##"), pre, norm, text,
+                700, False, limit_alphabet=60, special=["<unk>", "<cls>", "<sep>"],
+                continuing_subword_prefix="##")
+    data = json.loads(tok.to_str())
+    data["model"]["continuing_subword_prefix"] = "##"
+    data["model"]["fuse_unk"] = False
+    data["post_processor"] = {"type": "RobertaProcessing", "sep": ["<sep>", 2], "cls": ["<cls>", 1],
+                              "trim_offsets": True, "add_prefix_space": False}
+    yield "subword_split_variants", Tokenizer.from_str(json.dumps(data)), \
+        {"bos_token": "<cls>", "eos_token": "<sep>", "pad_token": None}
+    # Split with invert (the matches are the pieces), NFKD, fuse_unk without byte fallback,
+    # Metaspace "never"; decoders Replace (regex) + Metaspace + Fuse + Strip.
+    pre = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+"), behavior="removed", invert=True),
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)])
+    tok = train(models.BPE(unk_token="<unk>", fuse_unk=True), pre, normalizers.NFKD(), text, 600,
+                False, limit_alphabet=50, special=["<unk>", "<s>"])
+    data = json.loads(tok.to_str())
+    data["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"Regex": "▁+"}, "content": " "},
+        {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "never", "split": False},
+        # Strip with stop > 0 panics in tokenizers 0.23.3 on a token shorter than `stop`, so
+        # only `start` has a reference here.
+        {"type": "Fuse"}, {"type": "Strip", "content": "<", "start": 1, "stop": 0}]}
+    data["post_processor"] = {"type": "Sequence", "processors": [
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        {"type": "TemplateProcessing",
+         "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                    {"SpecialToken": {"id": "<s>", "type_id": 0}}],
+         "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+         "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}]}
+    yield "invert_nfkd_unk", Tokenizer.from_str(json.dumps(data)), {"bos_token": "<s>"}
+
+
 def reference(tok, text):
     with_sp = tok.encode(text, add_special_tokens=True).ids
     without = tok.encode(text, add_special_tokens=False).ids
@@ -201,7 +251,7 @@ def main():
     raw = corpus_bytes()
     (HERE / "corpus.txt").write_bytes(raw)
     text = raw.decode("utf-8", errors="replace")
-    for name, tok, config in families(text):
+    for name, tok, config in list(families(text)) + list(variant_families(text)):
         tok.add_special_tokens(SP_TOKENS)
         tok.add_tokens(PLAIN_TOKENS)
         out = HERE / name

@@ -25,7 +25,9 @@ using nlohmann::json;
 
 const fs::path kFixtures = MDIST_TOKENIZER_FIXTURES;
 const std::vector<std::string> kFamilies = {
-    "gpt2", "llama3", "qwen2", "bytelevel_prefix_nfkc", "llama2", "mistral", "metaspace_split"};
+    "gpt2",           "llama3",  "qwen2",           "bytelevel_prefix_nfkc",
+    "llama2",         "mistral", "metaspace_split", "subword_split_variants",
+    "invert_nfkd_unk"};
 
 std::string read_file(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -152,10 +154,15 @@ TEST_P(Family, StreamEncoderEqualsWholeEncode) {
     const auto before_finish = got.size();
     stream.finish(got);
     // The families whose pre-tokenizer isolates newlines, or whose newline takes part in no
-    // merge, must emit ids before finish(): the stream really cuts.
+    // merge, must emit ids before finish(): the stream really cuts. The two variants cannot
+    // (a Strip normalizer; a newline that becomes a fused <unk>) and keep the text to finish().
     std::cout << "[stream] " << GetParam() << " pieces " << piece << ": " << before_finish << " of "
               << got.size() << " ids before finish()\n";
-    EXPECT_GT(before_finish, got.size() / 2) << GetParam();
+    if (GetParam() == "subword_split_variants" || GetParam() == "invert_nfkd_unk") {
+      EXPECT_EQ(before_finish, 0u) << GetParam();
+    } else {
+      EXPECT_GT(before_finish, got.size() / 2) << GetParam();
+    }
     EXPECT_EQ(got, expected) << GetParam() << " pieces of "
                              << (piece ? std::to_string(piece) : "random");
     // The encoder starts over after finish().
