@@ -6,11 +6,16 @@
 // parameters at once. Run through mdistrun; bench/fsdp_train.sh runs it beside PyTorch's
 // fully_shard (bench/fsdp_train.py).
 //     fsdp_train [timed_steps=8] [warmup=3] [global_batch=4] [seq_len=128]
+// FSDP_BENCH_DEVICE=cuda computes on cuda:LOCAL_RANK (NCCL for the collectives; a CUDA build,
+// scripts/gpu_check.sh); FSDP_BENCH_PARAM_DTYPE=bf16 gathers and computes in bf16 with fp32
+// gradient reduction (MixedPrecisionPolicy), as the Python side does with the same variables.
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -78,6 +83,25 @@ std::vector<double> column(const std::vector<std::vector<double>>& ranks, Metric
   return out;
 }
 
+// The bench's device from FSDP_BENCH_DEVICE ("cpu", the default, or "cuda").
+c10::Device bench_device() {
+  const char* name = std::getenv("FSDP_BENCH_DEVICE");
+  const std::string device = name == nullptr ? "cpu" : name;
+  if (device == "cpu") return c10::Device(c10::kCPU);
+  if (device != "cuda")
+    throw mdist::Error("bench: FSDP_BENCH_DEVICE is cpu or cuda, not " + device);
+  if (!torch::cuda::is_available())
+    throw mdist::Error("bench: FSDP_BENCH_DEVICE=cuda but no CUDA device");
+  return mdist::compute_device();
+}
+
+std::optional<c10::ScalarType> bench_param_dtype() {
+  const char* name = std::getenv("FSDP_BENCH_PARAM_DTYPE");
+  if (name == nullptr || std::string(name) == "fp32") return std::nullopt;
+  if (std::string(name) == "bf16") return torch::kBFloat16;
+  throw mdist::Error(std::string("bench: FSDP_BENCH_PARAM_DTYPE is fp32 or bf16, not ") + name);
+}
+
 double max_of(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
 double min_of(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
 
@@ -100,8 +124,15 @@ int bench(int argc, char** argv) {
   }
   const int64_t per_rank = global_batch / world;
 
+  const c10::Device device = bench_device();
+  // Kernels are asynchronous on CUDA: phase boundaries wait for them, or the times would
+  // measure only the launches.
+  const auto sync = [&device] {
+    if (device.is_cuda()) torch::cuda::synchronize();
+  };
   LlamaStack model;
   mdist::bench::init_weights(*model);
+  model->to(device);
   int64_t param_count = 0, full_bytes = 0, pad_bytes = 0;
   double checksum = 0;
   for (const auto& p : model->parameters()) {
@@ -116,6 +147,8 @@ int bench(int argc, char** argv) {
   mdist::bench::UnshardWatch watch;
   mdist::FullyShardOptions options;
   options.reshard_after_forward = true;
+  options.mp_policy.param_dtype = bench_param_dtype();
+  if (options.mp_policy.param_dtype) options.mp_policy.reduce_dtype = torch::kFloat32;
   int64_t layer_bytes = 0;
   for (const auto& layer : model->decoder_layers) {
     const int64_t bytes = param_bytes(*layer);
@@ -130,16 +163,21 @@ int bench(int argc, char** argv) {
   StepTimes times;
   int64_t persistent = 0;
   for (int step = 0; step < warmup + timed; ++step) {
-    const auto batch = mdist::bench::batch_tokens(step, rank * per_rank, per_rank, seq_len);
+    const auto cpu_batch = mdist::bench::batch_tokens(step, rank * per_rank, per_rank, seq_len);
+    const mdist::bench::TokenBatch batch{cpu_batch.inputs.to(device), cpu_batch.targets.to(device)};
+    sync();
     const auto start = std::chrono::steady_clock::now();
     optimizer.zero_grad();
     const at::Tensor logits = model->forward(batch.inputs);
-    const at::Tensor loss =
-        at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), batch.targets.reshape({-1}));
+    const at::Tensor loss = at::cross_entropy_loss(
+        logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32), batch.targets.reshape({-1}));
+    sync();
     const auto forward_done = std::chrono::steady_clock::now();
     loss.backward();
+    sync();
     const auto backward_done = std::chrono::steady_clock::now();
     optimizer.step();
+    sync();
     const auto stop = std::chrono::steady_clock::now();
     if (step >= warmup) {
       times.step.push_back(seconds(start, stop));
@@ -179,6 +217,8 @@ int bench(int argc, char** argv) {
   mdist::bench::JsonLine()
       .add("impl", "mdist (C++)")
       .add("world", world)
+      .add("device", device.str())
+      .add("param_dtype", options.mp_policy.param_dtype ? "bf16" : "fp32")
       .add("threads", at::get_num_threads())
       .add("params", param_count)
       .add("init_checksum", checksum)

@@ -2,7 +2,9 @@
 trained with torch's own FSDP2 (fully_shard per decoder layer, then the root) on a CPU device
 mesh over Gloo, AdamW, the same data and steps. Run with torchrun; rank 0 prints one JSON
 line.
-    fsdp_train.py [timed_steps=8] [warmup=3] [global_batch=4] [seq_len=128]"""
+    fsdp_train.py [timed_steps=8] [warmup=3] [global_batch=4] [seq_len=128]
+FSDP_BENCH_DEVICE=cuda: on cuda:LOCAL_RANK with NCCL; FSDP_BENCH_PARAM_DTYPE=bf16: bf16 gather and
+compute, fp32 gradient reduction (MixedPrecisionPolicy), as bench/fsdp_train.cpp reads them."""
 import json
 import os
 import statistics
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_stack  # noqa: E402
@@ -91,15 +93,36 @@ def main():
     global_batch = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     seq_len = int(sys.argv[4]) if len(sys.argv) > 4 else 128
 
-    dist.init_process_group("gloo")
+    device_name = os.environ.get("FSDP_BENCH_DEVICE", "cpu")
+    if device_name not in ("cpu", "cuda"):
+        raise SystemExit(f"bench: FSDP_BENCH_DEVICE is cpu or cuda, not {device_name}")
+    dtype_name = os.environ.get("FSDP_BENCH_PARAM_DTYPE", "fp32")
+    if dtype_name not in ("fp32", "bf16"):
+        raise SystemExit(f"bench: FSDP_BENCH_PARAM_DTYPE is fp32 or bf16, not {dtype_name}")
+    if device_name == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if dtype_name == "bf16" else MixedPrecisionPolicy())
+
+    def sync():
+        # Kernels are asynchronous on CUDA: phase boundaries wait for them.
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     world, rank = dist.get_world_size(), dist.get_rank()
     if global_batch % world:
         raise SystemExit(f"bench: global batch {global_batch} does not split over {world} ranks")
     per_rank = global_batch // world
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.type, (world,))
 
     model = llama_stack.LlamaStack()
     llama_stack.init_weights(model)
+    model.to(device)
     param_count = sum(p.numel() for p in model.parameters())
     checksum = sum(p.double().sum().item() for p in model.parameters())
     # Per-parameter padding each rank may carry beyond total / W (dim-0 chunks rounded up).
@@ -113,9 +136,9 @@ def main():
     units = []
     for layer in model.layers:
         units.append((layer, sum(p.numel() * p.element_size() for p in layer.parameters()), True))
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mp_policy)
     root_bytes = full_bytes - sum(b for _, b, _ in units)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp_policy)
     units.append((model, root_bytes, False))
     watch = UnshardWatch(units)
     for layer in model.layers:
@@ -126,14 +149,19 @@ def main():
     persistent = 0
     for step in range(warmup + timed):
         inputs, targets = llama_stack.batch_tokens(step, rank * per_rank, per_rank, seq_len)
+        inputs, targets = inputs.to(device), targets.to(device)
+        sync()
         start = time.perf_counter()
         optimizer.zero_grad()
         logits = model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        sync()
         forward_done = time.perf_counter()
         loss.backward()
+        sync()
         backward_done = time.perf_counter()
         optimizer.step()
+        sync()
         stop = time.perf_counter()
         if step >= warmup:
             times["step"].append(stop - start)
@@ -165,6 +193,8 @@ def main():
         print(json.dumps({
             "impl": "torch FSDP2 (Python)",
             "world": world,
+            "device": str(device),
+            "param_dtype": dtype_name,
             "threads": torch.get_num_threads(),
             "params": param_count,
             "init_checksum": checksum,

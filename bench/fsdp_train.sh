@@ -8,7 +8,9 @@
 #   bench/fsdp_train.sh [timed_steps=8]
 # Environment: BUILD_DIR (default build), RANKS ("1 2 4"), ROUNDS (3), WARMUP (3), GLOBAL_BATCH (4
 # sequences, split over the ranks), SEQ_LEN (128), RUN_TIMEOUT (600 s per run, so that a hung
-# job becomes a failed row), MDIST_CACHE (where the bench venv lives).
+# job becomes a failed row), MDIST_CACHE (where the bench venv lives), MDIST_BENCH_VENV (a venv of
+# one's own with torch instead), FSDP_BENCH_DEVICE (cpu or cuda) and FSDP_BENCH_PARAM_DTYPE (fp32 or
+# bf16), read by both sides.
 # Needs a build (scripts/setup.sh) and creates a bench-only venv with torch on first use.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +23,7 @@ batch="${GLOBAL_BATCH:-4}"
 seq_len="${SEQ_LEN:-128}"
 run_timeout="${RUN_TIMEOUT:-600}"
 cache="${MDIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mdist}"
-venv="$cache/bench-venv"
+venv="${MDIST_BENCH_VENV:-$cache/bench-venv}" # MDIST_BENCH_VENV: an existing venv with torch (a GPU machine's)
 began=$SECONDS
 
 cmake --build "$build" --target fsdp_train mdistrun >/dev/null || { echo "build failed in $build" >&2; exit 1; }
@@ -98,8 +100,10 @@ print(f"global batch {batch} x {seq_len} tokens split over the ranks; {warmup} w
       f"timed steps, median step (slowest rank); OMP_NUM_THREADS=1 per rank on {cores} cores")
 print(f"{rounds} rounds per rank count, C++ then Python in each; the table shows each side's "
       "median-step round, the ratios are per round")
-print("units: each decoder layer, then the root (reshard_after_forward=True); Gloo on "
-      "loopback, CPU; both sides start from the same weights and see the same tokens")
+devices = sorted({f"{r.get('device', 'cpu')} {r.get('param_dtype', 'fp32')} param_dtype" for r in ok})
+print("units: each decoder layer, then the root (reshard_after_forward=True); "
+      f"on {', '.join(devices) or 'cpu'} (Gloo on CPU, NCCL on CUDA); both sides start from the "
+      "same weights and see the same tokens")
 if sorted({r["threads"] for r in ok}) not in ([], [1]):
     print(f"WARNING: torch intra-op threads per rank were {sorted({r['threads'] for r in ok})}, not 1")
 checksums = [r["init_checksum"] for r in ok]

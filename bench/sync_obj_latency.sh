@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 calls="${1:-1000}"
 ranks="${2:-2}"
 cache="${MDIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mdist}"
-venv="$cache/bench-venv"
+venv="${MDIST_BENCH_VENV:-$cache/bench-venv}" # MDIST_BENCH_VENV: an existing venv with torch (a GPU machine's)
 if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import torch, numpy" 2>/dev/null; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q -r bench/requirements.txt

@@ -25,7 +25,7 @@ batch="${GLOBAL_BATCH:-4}"
 seq_len="${SEQ_LEN:-128}"
 run_timeout="${RUN_TIMEOUT:-600}"
 cache="${MDIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mdist}"
-venv="$cache/bench-venv"
+venv="${MDIST_BENCH_VENV:-$cache/bench-venv}" # MDIST_BENCH_VENV: an existing venv with torch (a GPU machine's)
 began=$SECONDS
 
 cmake --build "$build" --target tp_train mdistrun >/dev/null || { echo "build failed in $build" >&2; exit 1; }

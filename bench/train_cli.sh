@@ -25,7 +25,7 @@ lr_warmup="${LR_WARMUP:-30}"
 seed="${SEED:-1234}"
 run_timeout="${RUN_TIMEOUT:-600}"
 cache="${MDIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mdist}"
-venv="$cache/bench-venv"
+venv="${MDIST_BENCH_VENV:-$cache/bench-venv}" # MDIST_BENCH_VENV: an existing venv with torch (a GPU machine's)
 began=$SECONDS
 [[ "$steps" =~ ^[0-9]+$ && "$warmup" =~ ^[0-9]+$ && $steps -gt $warmup ]] ||
   { echo "steps ($steps) must be a number above WARMUP ($warmup)" >&2; exit 1; }

@@ -13,6 +13,7 @@
 #include "mdist/error.h"
 #include "mdist/runtime/c10d.h"
 #include "mdist/runtime/runtime.h"
+#include "src/nn/gradient_function.h"
 
 namespace mdist::tp {
 namespace {
@@ -20,32 +21,7 @@ namespace {
 std::atomic<int64_t> all_reduce_bytes{0};
 std::atomic<int64_t> all_gather_bytes{0};
 
-// A one-input, one-output autograd node whose backward is a function of the gradient.
-struct GradientFunction : torch::autograd::Node {
-  GradientFunction(std::string label, std::function<at::Tensor(const at::Tensor&)> backward)
-      : label_(std::move(label)), backward_(std::move(backward)) {}
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    if (!grads[0].defined()) return {at::Tensor()};
-    return {backward_(grads[0])};
-  }
-  std::string name() const override { return label_; }
-
- private:
-  std::string label_;
-  std::function<at::Tensor(const at::Tensor&)> backward_;
-};
-
-// `output` (a tensor without history) becomes the result of a node from `input` with the given
-// backward, when autograd records.
-at::Tensor with_backward(const at::Tensor& input, at::Tensor output, const char* label,
-                         std::function<at::Tensor(const at::Tensor&)> backward) {
-  if (!at::GradMode::is_enabled() || !input.requires_grad()) return output;
-  auto node = c10::make_intrusive<GradientFunction>(label, std::move(backward));
-  node->set_next_edges(torch::autograd::collect_next_edges(input));
-  torch::autograd::impl::set_gradient_edge(
-      output, torch::autograd::Edge(node, node->add_input_metadata(output)));
-  return output;
-}
+using nn::detail::with_backward;
 
 // Whether `group` has one rank, so the collective is the identity. A group this rank is not
 // in has size -1 (torch's convention) and can carry nothing: an error naming it.
