@@ -301,7 +301,11 @@ int run_train(const TrainOptions& o) {
     // With tensor parallelism the logits are this rank's vocabulary columns; the loss is the
     // whole vocabulary's (vocab-parallel cross entropy), the same on every rank of the group.
     const at::Tensor loss = hf::causal_lm_loss(model, logits, ids);
-    loss.backward();
+    // A mixture of experts trains on loss + router_aux_loss_coef * load-balancing loss, as
+    // transformers does with output_router_logits (every token of a window is real: no mask).
+    const auto& moe = model->config.moe;
+    const at::Tensor aux = moe ? model->aux_loss() : at::Tensor();
+    (moe ? loss + moe->router_aux_loss_coef * aux.to(loss.device()) : loss).backward();
     const double grad_norm = hf::clip_grad_norm_(model, max_norm);
 
     // One small all-gather per step, before the update: each rank's (loss, peak RSS). Every
@@ -309,14 +313,18 @@ int run_train(const TrainOptions& o) {
     // global batch's mean loss (the tensor-parallel ranks of a data-parallel rank repeat its
     // loss, each as many times). The loss and the global gradient norm are the same on every
     // rank, so every rank takes the same decision on a non-finite step.
-    const auto reports = allgather(std::pair{loss.item<double>(), peak_rss_mib()});
-    double mean_loss = 0;
+    // A mixture of experts also reports its load-balancing loss (the ranks' mean, as the loss).
+    const auto reports =
+        allgather(std::tuple{loss.item<double>(), peak_rss_mib(), moe ? aux.item<double>() : 0.0});
+    double mean_loss = 0, mean_aux = 0;
     std::vector<double> peaks;
-    for (const auto& [rank_loss, peak] : reports) {
+    for (const auto& [rank_loss, peak, rank_aux] : reports) {
       mean_loss += rank_loss / world;
+      mean_aux += rank_aux / world;
       peaks.push_back(peak);
     }
-    const bool finite = std::isfinite(mean_loss) && std::isfinite(grad_norm);
+    const bool finite =
+        std::isfinite(mean_loss) && std::isfinite(mean_aux) && std::isfinite(grad_norm);
     if (!finite && !o.skip_nonfinite) {
       progress.finish();
       const auto last = latest_checkpoint(o.out);
@@ -351,6 +359,11 @@ int run_train(const TrainOptions& o) {
            std::isfinite(grad_norm) ? nlohmann::json(grad_norm) : nlohmann::json(nullptr)},
           {"peak_rss_mib", peaks},
       };
+      if (moe) {
+        line["aux_loss"] =
+            std::isfinite(mean_aux) ? nlohmann::json(mean_aux) : nlohmann::json(nullptr);
+        line["router_aux_loss_coef"] = moe->router_aux_loss_coef;
+      }
       if (o.skip_nonfinite) {
         line["skipped"] = !finite;
         line["skipped_steps"] = state.skipped_steps;

@@ -145,14 +145,69 @@ MLPImpl::MLPImpl(const LlamaConfig& c, c10::Device device) {
       register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias, device));
 }
 
+MLPImpl::MLPImpl(int64_t hidden, int64_t intermediate, bool mixtral_names, c10::Device device) {
+  gate_proj = register_module(mixtral_names ? "w1" : "gate_proj",
+                              linear(hidden, intermediate, false, device));
+  up_proj = register_module(mixtral_names ? "w3" : "up_proj",
+                            linear(hidden, intermediate, false, device));
+  down_proj = register_module(mixtral_names ? "w2" : "down_proj",
+                              linear(intermediate, hidden, false, device));
+}
+
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
   return mdist::nn::call(down_proj,
                          torch::silu(mdist::nn::call(gate_proj, x)) * mdist::nn::call(up_proj, x));
 }
 
-DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c, c10::Device device) {
+SparseMoeBlockImpl::SparseMoeBlockImpl(const LlamaConfig& c, c10::Device device)
+    : top_k(c.moe->num_experts_per_tok),
+      norm_topk_prob(c.moe->norm_topk_prob),
+      probabilities_to_logits_dtype(!c.moe->mixtral_names) {
+  const MoeConfig& m = *c.moe;
+  gate = register_module("gate", linear(c.hidden_size, m.num_experts, false, device));
+  experts_list = register_module("experts", torch::nn::ModuleList());
+  for (int64_t e = 0; e < m.num_experts; ++e) {
+    experts.emplace_back(c.hidden_size, m.moe_intermediate_size, m.mixtral_names, device);
+    experts_list->push_back(experts.back());
+  }
+}
+
+at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
+  const auto shape = x.sizes().vec();
+  const at::Tensor tokens = x.reshape({-1, shape.back()});
+  // The router runs in its own dtype: a router kept in fp32 in a bf16 model routes in fp32.
+  router_logits = mdist::nn::call(gate, tokens.to(gate->weight.scalar_type()));
+  const at::Tensor probabilities = at::softmax(router_logits, -1, at::kFloat);
+  auto [weights, chosen] = at::topk(probabilities, top_k, -1);  // torch's tie-breaking
+  if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  if (probabilities_to_logits_dtype) weights = weights.to(router_logits.scalar_type());
+
+  // As transformers: for each chosen expert in ascending order, its tokens ordered by (top-k
+  // slot, token), output times probability in the promoted dtype, added in x's dtype. The
+  // same order of additions keeps bf16 sums identical.
+  at::Tensor out = at::zeros_like(tokens);
+  const at::Tensor slots_by_expert = chosen.t();  // [top_k, N]
+  const at::Tensor hit = std::get<0>(at::_unique(chosen.flatten(), /*sorted=*/true)).cpu();
+  for (const int64_t e :
+       std::vector<int64_t>(hit.data_ptr<int64_t>(), hit.data_ptr<int64_t>() + hit.numel())) {
+    const at::Tensor where = at::nonzero(slots_by_expert.eq(e));  // rows (slot, token)
+    const at::Tensor slot = where.select(1, 0), token = where.select(1, 1);
+    const at::Tensor y =
+        mdist::nn::call(experts[static_cast<std::size_t>(e)], tokens.index_select(0, token));
+    const at::Tensor scaled = y * weights.index({token, slot}).unsqueeze(-1);
+    out = out.index_add(0, token, scaled.to(out.scalar_type()));
+  }
+  return out.view(shape);
+}
+
+DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c, c10::Device device, int64_t index) {
   self_attn = register_module("self_attn", Attention(c, device));
-  mlp = register_module("mlp", MLP(c, device));
+  if (c.sparse_layer(index)) {
+    moe = register_module(c.moe->mixtral_names ? "block_sparse_moe" : "mlp",
+                          SparseMoeBlock(c, device));
+  } else {
+    mlp = register_module("mlp", MLP(c, device));
+  }
   input_layernorm =
       register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, device));
   post_attention_layernorm =
@@ -163,7 +218,8 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos,
                                      const at::Tensor& sin, const at::Tensor& mask) {
   const at::Tensor h =
       x + mdist::nn::call(self_attn, mdist::nn::call(input_layernorm, x), cos, sin, mask);
-  return h + mdist::nn::call(mlp, mdist::nn::call(post_attention_layernorm, h));
+  const at::Tensor normed = mdist::nn::call(post_attention_layernorm, h);
+  return h + (moe ? mdist::nn::call(moe, normed) : mdist::nn::call(mlp, normed));
 }
 
 DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c, c10::Device device)
@@ -173,7 +229,7 @@ DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c, c10::Device device)
   embed_tokens = register_module("embed_tokens", embedding(options, device));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    decoder_layers.emplace_back(c, device);
+    decoder_layers.emplace_back(c, device, i);
     layers->push_back(decoder_layers.back());
   }
   norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, device));
@@ -256,6 +312,52 @@ at::Tensor CausalLMImpl::output_weight() const {
   return lm_head ? lm_head->weight : model->embed_tokens->weight;
 }
 
+std::vector<at::Tensor> CausalLMImpl::router_logits() const {
+  std::vector<at::Tensor> logits;
+  for (const auto& layer : model->decoder_layers) {
+    if (layer->moe) logits.push_back(layer->moe->router_logits);
+  }
+  return logits;
+}
+
+at::Tensor CausalLMImpl::aux_loss(const at::Tensor& attention_mask) const {
+  if (!config.moe) {
+    throw Error("mdist::hf::CausalLM::aux_loss: " + config.architecture +
+                " is not a mixture of experts");
+  }
+  return load_balancing_loss(router_logits(), config.moe->num_experts,
+                             config.moe->num_experts_per_tok, attention_mask);
+}
+
+at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int64_t num_experts,
+                               int64_t top_k, const at::Tensor& attention_mask) {
+  if (router_logits.empty()) throw Error("mdist::hf::load_balancing_loss: no router logits");
+  const auto device = router_logits.front().device();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  at::Tensor choices = at::zeros({num_experts}, f32);  // top-k choices per expert
+  at::Tensor probability = at::zeros({num_experts}, f32);
+  at::Tensor rows = at::zeros({}, f32);
+  at::Tensor weight;  // [N] 1 for a real token, 0 for padding
+  if (attention_mask.defined()) weight = attention_mask.reshape({-1}).to(f32);
+  for (const at::Tensor& layer_logits : router_logits) {
+    if (layer_logits.dim() != 2 || layer_logits.size(1) != num_experts ||
+        (weight.defined() && layer_logits.size(0) != weight.numel())) {
+      throw Error("mdist::hf::load_balancing_loss: router logits " + shape_of(layer_logits) +
+                  " are not [tokens, " + std::to_string(num_experts) + "]" +
+                  (weight.defined()
+                       ? " for an attention_mask of " + std::to_string(weight.numel()) + " tokens"
+                       : std::string()));
+    }
+    const at::Tensor p = at::softmax(layer_logits.to(device), -1);  // in the logits' dtype
+    const at::Tensor chosen = std::get<1>(at::topk(p, top_k, -1));
+    const at::Tensor w = weight.defined() ? weight : at::ones({p.size(0)}, f32);
+    choices = choices.index_add(0, chosen.reshape({-1}), w.repeat_interleave(top_k));
+    probability = probability + (p.to(at::kFloat) * w.unsqueeze(-1)).sum(0);
+    rows = rows + w.sum();
+  }
+  return at::sum((choices / rows) * (probability / rows)) * static_cast<double>(num_experts);
+}
+
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
   if (logits.dim() != 3 || labels.dim() != 2 || logits.size(0) != labels.size(0) ||
       logits.size(1) != labels.size(1)) {
@@ -306,6 +408,60 @@ void load_state_dict(torch::nn::Module& model, const std::map<std::string, at::T
     }
   }
   for (auto& item : params) item.value().copy_(tensors.at(item.key()));
+}
+
+void load_state_dict(CausalLM& model, const std::map<std::string, at::Tensor>& tensors) {
+  if (!model->config.moe) return load_state_dict(*model, tensors);
+  load_state_dict(*model, unfuse_experts(model->config, tensors));
+}
+
+std::map<std::string, at::Tensor> unfuse_experts(const LlamaConfig& config,
+                                                 std::map<std::string, at::Tensor> tensors) {
+  if (!config.moe) return tensors;
+  const MoeConfig& m = *config.moe;
+  const int64_t experts = m.num_experts, inter = m.moe_intermediate_size;
+  const int64_t hidden = config.hidden_size;
+  // transformers 5 names Mixtral's block "mlp"; the published checkpoints "block_sparse_moe".
+  const auto block = [&](const std::string& prefix) {
+    if (!m.mixtral_names || !prefix.ends_with(".mlp")) return prefix;
+    return prefix.substr(0, prefix.size() - 4) + ".block_sparse_moe";
+  };
+  const auto expert_key = [&](const std::string& prefix, int64_t e, int which) {
+    static constexpr const char* kQwen[] = {"gate_proj", "up_proj", "down_proj"};
+    static constexpr const char* kMixtral[] = {"w1", "w3", "w2"};
+    return block(prefix) + ".experts." + std::to_string(e) + "." +
+           (m.mixtral_names ? kMixtral : kQwen)[which] + ".weight";
+  };
+  const auto check = [&](const std::string& key, const at::Tensor& t,
+                         std::vector<int64_t> expected) {
+    if (t.sizes() != c10::IntArrayRef(expected)) {
+      throw Error("mdist::hf::unfuse_experts: '" + key + "' is " + shape_of(t) + ", but " +
+                  config.architecture + " with these experts needs " +
+                  shape_of(at::empty(expected, at::TensorOptions().device(c10::kMeta))));
+    }
+  };
+  std::map<std::string, at::Tensor> out;
+  for (auto& [key, t] : tensors) {
+    const auto dot = key.rfind('.');
+    const std::string prefix = key.substr(0, dot == std::string::npos ? 0 : dot);
+    if (key.ends_with(".experts.gate_up_proj")) {
+      const std::string p = prefix.substr(0, prefix.size() - 8);  // without ".experts"
+      check(key, t, {experts, 2 * inter, hidden});
+      for (int64_t e = 0; e < experts; ++e) {
+        out[expert_key(p, e, 0)] = t[e].slice(0, 0, inter);
+        out[expert_key(p, e, 1)] = t[e].slice(0, inter);
+      }
+    } else if (key.ends_with(".experts.down_proj")) {
+      const std::string p = prefix.substr(0, prefix.size() - 8);
+      check(key, t, {experts, hidden, inter});
+      for (int64_t e = 0; e < experts; ++e) out[expert_key(p, e, 2)] = t[e];
+    } else if (m.mixtral_names && key.ends_with(".mlp.gate.weight")) {
+      out[block(key.substr(0, key.size() - 12)) + ".gate.weight"] = t;
+    } else {
+      out[key] = t;
+    }
+  }
+  return out;
 }
 
 }  // namespace mdist::hf

@@ -44,7 +44,16 @@ T optional_as(const Json& j, const char* key, T fallback) {
 }
 
 constexpr const char* kSupported =
-    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM";
+    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+    "Qwen3MoeForCausalLM, MixtralForCausalLM";
+
+bool supported(const std::string& architecture) {
+  for (const char* name : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}) {
+    if (architecture == name) return true;
+  }
+  return false;
+}
 
 std::string architecture_of(const Json& j, std::vector<std::string>& architectures) {
   if (const auto it = j.find("architectures"); it != j.end() && !it->is_null()) {
@@ -59,6 +68,8 @@ std::string architecture_of(const Json& j, std::vector<std::string>& architectur
   if (model_type == "mistral") return "MistralForCausalLM";
   if (model_type == "qwen2") return "Qwen2ForCausalLM";
   if (model_type == "qwen3") return "Qwen3ForCausalLM";
+  if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
+  if (model_type == "mixtral") return "MixtralForCausalLM";
   fail("unsupported model_type '" + model_type + "' (supported architectures: " + kSupported + ")");
 }
 
@@ -85,6 +96,53 @@ std::optional<RopeScaling> parse_rope(const Json& rope, const char* key) {
   return s;
 }
 
+// The MoE keys of Qwen3MoeConfig / MixtralConfig (their defaults when absent), checked as
+// transformers' configs and modules would fail on them.
+MoeConfig parse_moe(const Json& j, const LlamaConfig& c) {
+  MoeConfig m;
+  const bool mixtral = c.architecture == "MixtralForCausalLM";
+  m.mixtral_names = mixtral;
+  // transformers maps either key to the same attribute (attribute_map): published Qwen3-MoE
+  // configs say num_experts, transformers 5 writes num_local_experts for both.
+  const int64_t local_experts = optional_as<int64_t>(j, "num_local_experts", mixtral ? 8 : 128);
+  if (mixtral) {
+    m.num_experts = optional_as<int64_t>(j, "num_experts", local_experts);
+    m.num_experts_per_tok = optional_as<int64_t>(j, "num_experts_per_tok", 2);
+    m.moe_intermediate_size = c.intermediate_size;
+    m.norm_topk_prob = true;
+    if (optional_as<double>(j, "router_jitter_noise", 0.0) != 0.0) {
+      fail("router_jitter_noise other than 0 is not supported");
+    }
+  } else {
+    m.num_experts = optional_as<int64_t>(j, "num_experts", local_experts);
+    m.num_experts_per_tok = optional_as<int64_t>(j, "num_experts_per_tok", 8);
+    m.moe_intermediate_size = optional_as<int64_t>(j, "moe_intermediate_size", 768);
+    m.norm_topk_prob = optional_as<bool>(j, "norm_topk_prob", false);
+    m.decoder_sparse_step = optional_as<int64_t>(j, "decoder_sparse_step", 1);
+    m.mlp_only_layers = optional_as<std::vector<int64_t>>(j, "mlp_only_layers", {});
+  }
+  m.router_aux_loss_coef = optional_as<double>(j, "router_aux_loss_coef", 0.001);
+  m.output_router_logits = optional_as<bool>(j, "output_router_logits", false);
+  if (m.num_experts <= 0) {
+    fail(std::string(mixtral ? "num_local_experts" : "num_experts") + " " +
+         std::to_string(m.num_experts) + " must be positive");
+  }
+  if (m.num_experts_per_tok <= 0 || m.num_experts_per_tok > m.num_experts) {
+    fail("num_experts_per_tok " + std::to_string(m.num_experts_per_tok) +
+         " must be between 1 and the number of experts (" + std::to_string(m.num_experts) + ")");
+  }
+  if (m.moe_intermediate_size <= 0) fail("moe_intermediate_size must be positive");
+  if (m.decoder_sparse_step <= 0) fail("decoder_sparse_step must be positive");
+  for (const int64_t layer : m.mlp_only_layers) {
+    if (layer < 0 || layer >= c.num_hidden_layers) {
+      fail("mlp_only_layers names layer " + std::to_string(layer) + " of " +
+           std::to_string(c.num_hidden_layers));
+    }
+  }
+  if (!(m.router_aux_loss_coef >= 0)) fail("router_aux_loss_coef must not be negative");
+  return m;
+}
+
 }  // namespace
 
 LlamaConfig LlamaConfig::from_json(const std::string& text) {
@@ -99,8 +157,7 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   LlamaConfig c;
   c.source_json = text;
   c.architecture = architecture_of(j, c.architectures);
-  if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM" &&
-      c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM") {
+  if (!supported(c.architecture)) {
     fail("unsupported architecture '" + c.architecture + "' (supported: " + kSupported + ")");
   }
   if (c.architectures.empty()) c.architectures = {c.architecture};
@@ -113,9 +170,15 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   c.vocab_size = required_as<int64_t>(j, "vocab_size");
   // The defaults of transformers' config class of each architecture (a key left out of
   // config.json means that class's default, not one shared value).
-  const bool qwen = c.architecture == "Qwen2ForCausalLM" || c.architecture == "Qwen3ForCausalLM";
-  const bool mistral = c.architecture == "MistralForCausalLM";
-  const int64_t default_kv_heads = qwen ? 32 : mistral ? 8 : c.num_attention_heads;
+  const bool qwen3 =
+      c.architecture == "Qwen3ForCausalLM" || c.architecture == "Qwen3MoeForCausalLM";
+  const bool qwen = qwen3 || c.architecture == "Qwen2ForCausalLM";
+  const bool mixtral = c.architecture == "MixtralForCausalLM";
+  const bool mistral = mixtral || c.architecture == "MistralForCausalLM";
+  const int64_t default_kv_heads = c.architecture == "Qwen3MoeForCausalLM" ? 4
+                                   : qwen                                  ? 32
+                                   : mistral                               ? 8
+                                                                           : c.num_attention_heads;
   c.num_key_value_heads =
       j.contains("num_key_value_heads")
           ? optional_as<int64_t>(j, "num_key_value_heads", c.num_attention_heads)
@@ -181,12 +244,18 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
     c.mlp_bias = optional_as<bool>(j, "mlp_bias", false);
   } else if (c.architecture == "Qwen2ForCausalLM") {
     c.qkv_bias = true;  // Qwen2 configs carry no attention_bias: q/k/v always have one
-  } else if (c.architecture == "Qwen3ForCausalLM") {
+  } else if (qwen3) {
     c.qkv_bias = c.o_bias = attention_bias;
     c.qk_norm = true;
   }
 
-  if (c.architecture == "MistralForCausalLM") {
+  if (c.architecture == "MixtralForCausalLM") {
+    // MixtralConfig: no window unless one is given.
+    if (const auto it = j.find("sliding_window"); it != j.end() && !it->is_null()) {
+      c.sliding_window = get_as<int64_t>(*it, "sliding_window");
+      if (*c.sliding_window <= 0) fail("sliding_window must be positive");
+    }
+  } else if (c.architecture == "MistralForCausalLM") {
     // Absent: MistralConfig's default window of 4096; null: no window.
     if (const auto it = j.find("sliding_window"); it == j.end()) {
       c.sliding_window = 4096;
@@ -197,7 +266,16 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   } else if (optional_as<bool>(j, "use_sliding_window", false)) {
     fail("use_sliding_window=true is not supported for " + c.architecture);
   }
+  if (c.architecture == "Qwen3MoeForCausalLM" || mixtral) c.moe = parse_moe(j, c);
   return c;
+}
+
+bool LlamaConfig::sparse_layer(int64_t layer) const {
+  if (!moe) return false;
+  for (const int64_t dense : moe->mlp_only_layers) {
+    if (dense == layer) return false;
+  }
+  return (layer + 1) % moe->decoder_sparse_step == 0;
 }
 
 LlamaConfig LlamaConfig::from_file(const std::string& path) {
@@ -234,11 +312,24 @@ std::string LlamaConfig::to_json() const {
   j["hidden_act"] = hidden_act;
   j["tie_word_embeddings"] = tie_word_embeddings;
   j[v5_dtype ? "dtype" : "torch_dtype"] = torch_dtype;
-  if (architecture == "LlamaForCausalLM" || architecture == "Qwen3ForCausalLM") {
+  if (architecture == "LlamaForCausalLM" || architecture == "Qwen3ForCausalLM" ||
+      architecture == "Qwen3MoeForCausalLM") {
     j["attention_bias"] = qkv_bias;
   }
   if (architecture == "LlamaForCausalLM") j["mlp_bias"] = mlp_bias;
-  if (architecture == "MistralForCausalLM") {
+  if (moe) {
+    j[moe->mixtral_names ? "num_local_experts" : "num_experts"] = moe->num_experts;
+    j["num_experts_per_tok"] = moe->num_experts_per_tok;
+    if (!moe->mixtral_names) {
+      j["moe_intermediate_size"] = moe->moe_intermediate_size;
+      j["norm_topk_prob"] = moe->norm_topk_prob;
+      j["decoder_sparse_step"] = moe->decoder_sparse_step;
+      j["mlp_only_layers"] = moe->mlp_only_layers;
+    }
+    j["router_aux_loss_coef"] = moe->router_aux_loss_coef;
+    j["output_router_logits"] = moe->output_router_logits;
+  }
+  if (architecture == "MistralForCausalLM" || architecture == "MixtralForCausalLM") {
     j["sliding_window"] = sliding_window ? Json(*sliding_window) : Json(nullptr);
   }
 

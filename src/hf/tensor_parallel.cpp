@@ -162,6 +162,10 @@ void check_tensor_parallel_split(const LlamaConfig& c, int t) {
                 " tensor-parallel ranks: " + what);
   };
   const std::string ts = std::to_string(t);
+  // Splitting the experts (tensor or expert parallelism) is not implemented yet.
+  if (c.moe)
+    fail(c.architecture +
+         " is a mixture of experts; tensor parallelism of MoE layers is not supported yet");
   if (c.num_attention_heads % t != 0) {
     fail("num_attention_heads " + std::to_string(c.num_attention_heads) + " does not divide by " +
          ts);

@@ -332,6 +332,62 @@ TEST_F(MdistCommand, AFreshRunReplacesAnEarlierRunOnlyWithOverwrite) {
   EXPECT_EQ(metrics(run).size(), 2u);
 }
 
+// A mixture of experts (Qwen3-MoE: a sparse and a dense layer) in the main job: its
+// load-balancing loss is reported beside the loss and trained on with the config's
+// router_aux_loss_coef. With coef 0 the first step's loss is the same (the aux term does not
+// change the forward) but the router is not pushed to balance: a large coef leaves a lower
+// aux loss. Tensor parallelism of MoE layers is refused (one line, exit 2, nothing written).
+TEST_F(MdistCommand, TrainAddsTheMoeAuxLossWithTheConfigsCoefficient) {
+  const auto model_with = [&](const std::string& name, double coef) {
+    const auto config_dir = dir_ / (name + "-config");
+    fs::create_directories(config_dir);
+    std::ofstream(config_dir / "config.json")
+        << R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+               "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+               "vocab_size": 256, "num_experts": 4, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "mlp_only_layers": [1], "norm_topk_prob": true,
+               "router_aux_loss_coef": )"
+        << coef << "}\n";
+    const auto model = dir_ / name;
+    const auto r =
+        mdist::testing::run({MDIST_SAVE_FOR_TRANSFORMERS, config_dir.string(), model.string()});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return model;
+  };
+  const auto balanced = model_with("balanced", 20.0), free = model_with("free", 0.0);
+  const auto run_balanced = dir_ / "run-balanced", run_free = dir_ / "run-free";
+  auto r = mdist(2, train_args({"--model", balanced.string(), "--steps", "12", "--lr", "3e-3",
+                                "--out", run_balanced.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  r = mdist(2, train_args({"--model", free.string(), "--steps", "12", "--lr", "3e-3", "--out",
+                           run_free.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const auto with_aux = metrics(run_balanced), without = metrics(run_free);
+  ASSERT_EQ(with_aux.size(), 12u);
+  ASSERT_EQ(without.size(), 12u);
+  for (const auto& line : with_aux) {
+    ASSERT_TRUE(line.contains("aux_loss")) << line.dump();
+    EXPECT_GT(line["aux_loss"].get<double>(), 0) << line.dump();
+    EXPECT_EQ(line["router_aux_loss_coef"], 20.0);
+  }
+  EXPECT_NEAR(with_aux[0]["loss"].get<double>(), without[0]["loss"].get<double>(), 1e-6);
+  EXPECT_NEAR(with_aux[0]["aux_loss"].get<double>(), without[0]["aux_loss"].get<double>(), 1e-6);
+  EXPECT_LT(with_aux.back()["aux_loss"].get<double>(),
+            without.back()["aux_loss"].get<double>() - 1e-3);
+  EXPECT_NE(with_aux[1]["loss"].get<double>(), without[1]["loss"].get<double>());
+
+  const auto refused = dir_ / "refused";
+  r = mdist(2, train_args({"--model", balanced.string(), "--tp", "2", "--steps", "2", "--out",
+                           refused.string()}));
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist train: error: --tp 2: cannot split the model over "
+                               "2 tensor-parallel ranks: Qwen3MoeForCausalLM is a mixture of "
+                               "experts; tensor parallelism of MoE layers is not supported yet"));
+  EXPECT_THAT(r.err, Not(HasSubstr("[rank1]")));
+  EXPECT_FALSE(fs::exists(refused));
+}
+
 // Tensor parallelism in the main job, on 4 ranks as (dp, tp) = (4, 1), (2, 2) and (1, 4): the
 // same losses; a (2, 2) checkpoint resumes on (4, 1) and (1, 4) with the uninterrupted run's
 // losses; eval, calibrate and generate of one checkpoint agree across the layouts.

@@ -93,6 +93,89 @@ TEST_P(HfFsdp2Wrap, SavePretrainedThenLoadGivesTheSameModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Architectures, HfFsdp2Wrap,
-                         ::testing::Values("llama", "mistral", "qwen2", "qwen3"));
+                         ::testing::Values("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+                                           "mixtral"));
+
+// A bf16 mixture of experts whose routers stay fp32: fsdp2_wrap keeps each router whole and
+// replicated on the compute device (warning once, on rank 0), shards the rest, averages the
+// routers' gradients over the ranks, and trains on loss + coef * aux loss as the unwrapped
+// model on one rank does.
+TEST(HfFsdp2WrapMoe, Bfloat16ModelKeepsFloat32RoutersWholeAndAveragesTheirGradients) {
+  const auto config = mdist::hf::LlamaConfig::from_file(std::string(MDIST_HF_MODEL_FIXTURES) +
+                                                        "/qwen3_moe/config.json");
+  const auto make = [&] {
+    auto model = seeded(config);
+    model->to(at::kBFloat16);
+    for (auto& layer : model->model->decoder_layers) {
+      if (layer->moe) layer->moe->gate->to(at::kFloat);
+    }
+    return model;
+  };
+  auto reference = make();
+  auto wrapped = make();
+  ::testing::internal::CaptureStderr();
+  mdist::fsdp2_wrap(*wrapped);
+  const std::string warnings = ::testing::internal::GetCapturedStderr();
+  const std::string expected_warning =
+      "mdist: fsdp2_wrap: 1 parameter(s) differ from the model's bfloat16 and stay replicated "
+      "and unsharded: model.layers.0.mlp.gate.weight (float32) (";
+  if (mdist::is_master()) {
+    EXPECT_NE(warnings.find(expected_warning), std::string::npos) << warnings;
+    EXPECT_EQ(warnings.find(expected_warning), warnings.rfind(expected_warning)) << warnings;
+  } else {
+    EXPECT_EQ(warnings.find("fsdp2_wrap"), std::string::npos) << warnings;
+  }
+  const auto& router = wrapped->model->decoder_layers[0]->moe->gate->weight;
+  EXPECT_EQ(router.scalar_type(), at::kFloat);
+  EXPECT_EQ(router.sizes(), reference->model->decoder_layers[0]->moe->gate->weight.sizes());
+  EXPECT_EQ(router.device(), mdist::compute_device());
+
+  const auto loss_of = [&](mdist::hf::CausalLM& model, const at::Tensor& ids) {
+    const at::Tensor loss = mdist::hf::causal_lm_loss(model->forward(ids), ids);
+    return loss + config.moe->router_aux_loss_coef * model->aux_loss();
+  };
+  const int world = mdist::size(), me = mdist::rank();
+  // Each rank its own batch: the router's gradient is the mean of the ranks' gradients.
+  torch::manual_seed(11);
+  std::vector<at::Tensor> batches;
+  for (int r = 0; r < world; ++r) batches.push_back(torch::randint(0, config.vocab_size, {2, 8}));
+  at::Tensor mean_grad;
+  for (int r = 0; r < world; ++r) {
+    reference->zero_grad();
+    loss_of(reference, batches[static_cast<std::size_t>(r)]).backward();
+    const at::Tensor g = reference->model->decoder_layers[0]->moe->gate->weight.grad().clone();
+    mean_grad = r == 0 ? g / world : mean_grad + g / world;
+  }
+  wrapped->zero_grad();
+  loss_of(wrapped, batches[static_cast<std::size_t>(me)]).backward();
+  ASSERT_TRUE(router.grad().defined());
+  EXPECT_EQ(router.grad().scalar_type(), at::kFloat);
+  EXPECT_LT((router.grad().cpu() - mean_grad).abs().max().item<double>(),
+            1e-5 * std::max(1.0, mean_grad.abs().max().item<double>()));
+
+  // Every rank the same batch: the wrapped run's losses are the unwrapped one-rank run's.
+  // Gradients reduce in fp32: a bf16 mean of three equal bf16 values need not be that value
+  // (3x rounds), which would move the weights of a 3-rank run by an ulp.
+  reference = make();
+  wrapped = make();
+  ::testing::internal::CaptureStderr();
+  mdist::MixedPrecisionPolicy reduce_in_fp32;
+  reduce_in_fp32.reduce_dtype = at::kFloat;
+  mdist::fsdp2_wrap(*wrapped, true, reduce_in_fp32);
+  (void)::testing::internal::GetCapturedStderr();
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt(wrapped->parameters(), torch::optim::SGDOptions(0.1));
+  for (int step = 0; step < 3; ++step) {
+    const at::Tensor ref_loss = loss_of(reference, batches[0]);
+    const at::Tensor loss = loss_of(wrapped, batches[0]);
+    EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-5) << "step " << step;
+    ref_opt.zero_grad();
+    ref_loss.backward();
+    ref_opt.step();
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  }
+}
 
 }  // namespace

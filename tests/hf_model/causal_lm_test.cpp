@@ -160,11 +160,23 @@ TEST(ParityFixtures, FixturesDependOnRopeScalingSlidingWindowAndPadding) {
             1e-2);
 }
 
+// The loss transformers trains a mixture of experts on (output_router_logits): the language
+// model's plus router_aux_loss_coef times the load-balancing loss; just the former otherwise.
+at::Tensor training_loss(CausalLM& model, const std::map<std::string, at::Tensor>& fixture) {
+  const at::Tensor& mask = fixture.at("attention_mask");
+  const at::Tensor loss =
+      CausalLM::Impl::loss(model->forward(fixture.at("input_ids"), mask), fixture.at("labels"));
+  if (!model->config.moe) return loss;
+  return loss + model->config.moe->router_aux_loss_coef * model->aux_loss(mask);
+}
+
 TEST_P(Parity, BackwardGivesFiniteGradientsForEveryParameter) {
   std::map<std::string, at::Tensor> fixture;
   CausalLM model = loaded_model(GetParam(), fixture);
-  const at::Tensor loss = CausalLM::Impl::loss(
-      model->forward(fixture.at("input_ids"), fixture.at("attention_mask")), fixture.at("labels"));
+  const at::Tensor loss = training_loss(model, fixture);
+  if (fixture.contains("total_loss")) {
+    EXPECT_NEAR(loss.item<double>(), fixture.at("total_loss").item<double>(), 1e-5);
+  }
   loss.backward();
   auto params = model->named_parameters().pairs();
   std::sort(params.begin(), params.end(),
@@ -174,8 +186,13 @@ TEST_P(Parity, BackwardGivesFiniteGradientsForEveryParameter) {
   double worst = 0;
   for (std::size_t i = 0; i < params.size(); ++i) {
     const auto& [name, param] = params[i];
-    ASSERT_TRUE(param.grad().defined()) << name;
     const double expected = norms[static_cast<int64_t>(i)].item<double>();
+    // An expert no token chose gets no gradient, in transformers as here.
+    if (expected == 0 && name.find(".experts.") != std::string::npos) {
+      EXPECT_FALSE(param.grad().defined() && param.grad().abs().max().item<double>() > 0) << name;
+      continue;
+    }
+    ASSERT_TRUE(param.grad().defined()) << name;
     const double relative = std::abs(param.grad().norm().item<double>() - expected) / expected;
     worst = std::max(worst, relative);
     EXPECT_LT(relative, 1e-4) << GetParam() << " " << name;
@@ -212,7 +229,142 @@ TEST(ParityFixtures, Bfloat16ForwardStaysCloseToFloat32) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Architectures, Parity,
-                         ::testing::Values("llama", "mistral", "qwen2", "qwen3"));
+                         ::testing::Values("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+                                           "qwen3_moe_norm", "mixtral"));
+
+// --- Mixtures of experts -----------------------------------------------------------------
+
+class MoeParity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MoeParity, AuxLossAndRouterLogitsMatchTransformers) {
+  std::map<std::string, at::Tensor> fixture;
+  CausalLM model = loaded_model(GetParam(), fixture);
+  const at::NoGradGuard no_grad;
+  const at::Tensor& mask = fixture.at("attention_mask");
+  const at::Tensor logits = model->forward(fixture.at("input_ids"), mask);
+  const double logit_error =
+      (logits - fixture.at("logits")).abs().index({mask.to(at::kBool)}).max().item<double>();
+  EXPECT_LT(logit_error, 1e-5) << GetParam();
+  const auto& c = model->config;
+  int64_t sparse = 0;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) sparse += c.sparse_layer(i) ? 1 : 0;
+  const auto router_logits = model->router_logits();
+  ASSERT_EQ(static_cast<int64_t>(router_logits.size()), sparse);
+  for (const auto& l : router_logits) {
+    EXPECT_EQ(l.sizes(), (std::vector<int64_t>{mask.numel(), c.moe->num_experts}));
+  }
+  const double aux = model->aux_loss(mask).item<double>();
+  // Without a mask padding counts too, whose states are unspecified: row 0 has none.
+  (void)model->forward(fixture.at("input_ids").slice(0, 0, 1));
+  const double aux_no_mask = model->aux_loss().item<double>();
+  EXPECT_NEAR(aux, fixture.at("aux_loss").item<double>(), 1e-5) << GetParam();
+  EXPECT_NEAR(aux_no_mask, fixture.at("aux_loss_no_mask").item<double>(), 1e-5) << GetParam();
+  EXPECT_GT(std::abs(aux - aux_no_mask), 1e-4);  // the padding mask matters in the fixture
+  const double loss = CausalLM::Impl::loss(logits, fixture.at("labels")).item<double>();
+  EXPECT_NEAR(loss, fixture.at("loss").item<double>(), 1e-5) << GetParam();
+  EXPECT_NEAR(loss + c.moe->router_aux_loss_coef * aux, fixture.at("total_loss").item<double>(),
+              1e-5);
+  std::printf("[%s] max |logit error| %.3g, aux %.6f (transformers %.6f)\n", GetParam().c_str(),
+              logit_error, aux, fixture.at("aux_loss").item<double>());
+}
+
+// transformers 5's fused expert tensors (as its state_dict holds them) load to the same model.
+TEST_P(MoeParity, FusedExpertLayoutLoadsTheSameModel) {
+  std::map<std::string, at::Tensor> fixture;
+  CausalLM model = loaded_model(GetParam(), fixture);
+  std::map<std::string, at::Tensor> fused;
+  for (const auto& [name, t] : fixture) {
+    if (name.starts_with("fused:")) fused[name.substr(6)] = t;
+  }
+  ASSERT_FALSE(fused.empty());
+  std::map<std::string, at::Tensor> weights;
+  for (const auto& [name, t] : weights_of(fixture)) {
+    const bool replaced = name.find(".experts.") != std::string::npos ||
+                          (model->config.moe->mixtral_names && name.ends_with(".gate.weight"));
+    if (!replaced) weights[name] = t;
+  }
+  weights.insert(fused.begin(), fused.end());
+  CausalLM from_fused(model->config);
+  mdist::hf::load_state_dict(from_fused, weights);
+  for (const auto& item : model->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), from_fused->named_parameters()[item.key()]))
+        << item.key();
+  }
+  // A fused tensor of the wrong shape is named.
+  auto bad = weights;
+  std::string key;
+  for (const auto& [name, t] : fused) {
+    if (name.ends_with("gate_up_proj")) key = name;
+  }
+  bad[key] = bad[key].slice(0, 1);
+  try {
+    mdist::hf::load_state_dict(from_fused, bad);
+    ADD_FAILURE() << "no error";
+  } catch (const mdist::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr(key));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, MoeParity,
+                         ::testing::Values("qwen3_moe", "qwen3_moe_norm", "mixtral"));
+
+// bf16 weights with every router kept in fp32 (routing in fp32), as transformers run the same
+// way; the same f16-exact weights, so the difference is only of the order of bf16 rounding.
+TEST(MoeFixtures, Bfloat16ModelWithFloat32RoutersMatchesTransformers) {
+  std::map<std::string, at::Tensor> fixture;
+  CausalLM model = loaded_model("qwen3_moe_bf16", fixture);
+  model->to(at::kBFloat16);
+  for (auto& layer : model->model->decoder_layers) {
+    if (layer->moe) layer->moe->gate->to(at::kFloat);
+  }
+  const at::Tensor& mask = fixture.at("attention_mask");
+  const at::Tensor logits = model->forward(fixture.at("input_ids"), mask);
+  EXPECT_EQ(logits.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(model->router_logits().front().scalar_type(), at::kFloat);
+  const at::Tensor& expected = fixture.at("logits");
+  const double error =
+      (logits.to(at::kFloat) - expected).abs().index({mask.to(at::kBool)}).max().item<double>();
+  EXPECT_LT(error, 0.02 * expected.abs().max().item<double>());
+  const at::Tensor aux = model->aux_loss(mask);
+  // Separate gate and up matmuls (transformers: one fused) round differently in bf16, so the
+  // router inputs differ in the last bits.
+  EXPECT_NEAR(aux.item<double>(), fixture.at("aux_loss").item<double>(), 1e-3);
+  const at::Tensor loss = CausalLM::Impl::loss(logits, fixture.at("labels"));
+  EXPECT_NEAR(loss.item<double>(), fixture.at("loss").item<double>(), 0.02);
+  std::printf(
+      "[qwen3_moe_bf16] max |logit error| %.3g (max |logit| %.3g), |loss error| %.3g, "
+      "|aux error| %.3g\n",
+      error, expected.abs().max().item<double>(),
+      std::abs(loss.item<double>() - fixture.at("loss").item<double>()),
+      std::abs(aux.item<double>() - fixture.at("aux_loss").item<double>()));
+  (loss + 0.1 * aux).backward();
+  for (auto& layer : model->model->decoder_layers) {
+    if (!layer->moe) continue;
+    ASSERT_TRUE(layer->moe->gate->weight.grad().defined());
+    EXPECT_EQ(layer->moe->gate->weight.grad().scalar_type(), at::kFloat);
+  }
+}
+
+// norm_topk_prob and which layers are sparse change the logits: the fixtures exercise both.
+TEST(MoeFixtures, FixturesDependOnNormTopkProbAndSparseLayers) {
+  const auto error_with = [](const std::string& arch, auto&& change) {
+    const auto fixture = read_fixture(fixture_dir(arch));
+    LlamaConfig config = LlamaConfig::from_file(fixture_dir(arch) + "/config.json");
+    change(config);
+    CausalLM model(config);
+    mdist::hf::load_state_dict(model, weights_of(fixture));
+    const at::NoGradGuard no_grad;
+    const at::Tensor& mask = fixture.at("attention_mask");
+    const at::Tensor logits = model->forward(fixture.at("input_ids"), mask);
+    return (logits - fixture.at("logits")).abs().index({mask.to(at::kBool)}).max().item<double>();
+  };
+  EXPECT_LT(error_with("qwen3_moe_norm", [](LlamaConfig&) {}), 1e-4);
+  EXPECT_GT(error_with("qwen3_moe_norm", [](LlamaConfig& c) { c.moe->norm_topk_prob = false; }),
+            1e-2);
+  // mlp_only_layers=[1] made layer 1 dense: without it, layer 1's weights do not fit.
+  EXPECT_THROW(error_with("qwen3_moe", [](LlamaConfig& c) { c.moe->mlp_only_layers.clear(); }),
+               mdist::Error);
+}
 
 // --- LlamaConfig ------------------------------------------------------------------------
 
@@ -458,6 +610,63 @@ TEST(Hooks, RootAndLayersRunTheirHooksOncePerForward) {
   EXPECT_EQ(layer, 1);
   h1.remove();
   h2.remove();
+}
+
+TEST(MoeConfig, KeysDefaultsAndValidation) {
+  const std::string qwen = R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32,
+      "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
+      "vocab_size": 40)";
+  const LlamaConfig d = LlamaConfig::from_json(qwen + "}");
+  ASSERT_TRUE(d.moe);
+  EXPECT_EQ(d.moe->num_experts, 128);  // Qwen3MoeConfig's defaults
+  EXPECT_EQ(d.moe->num_experts_per_tok, 8);
+  EXPECT_EQ(d.moe->moe_intermediate_size, 768);
+  EXPECT_FALSE(d.moe->norm_topk_prob);
+  EXPECT_DOUBLE_EQ(d.moe->router_aux_loss_coef, 0.001);
+  EXPECT_TRUE(d.qk_norm);
+  const LlamaConfig s = LlamaConfig::from_json(
+      qwen + R"(, "decoder_sparse_step": 2, "mlp_only_layers": [3], "num_experts": 4,
+               "num_experts_per_tok": 2})");
+  EXPECT_FALSE(s.sparse_layer(0));
+  EXPECT_TRUE(s.sparse_layer(1));
+  EXPECT_FALSE(s.sparse_layer(2));
+  EXPECT_FALSE(s.sparse_layer(3));
+  EXPECT_EQ(LlamaConfig::from_json(s.to_json()).moe->mlp_only_layers, std::vector<int64_t>{3});
+  EXPECT_EQ(LlamaConfig::from_json(qwen + R"(, "num_local_experts": 6, "num_experts_per_tok": 2})")
+                .moe->num_experts,
+            6);
+  EXPECT_FALSE(LlamaConfig::from_json(minimal_config()).sparse_layer(0));
+
+  const std::string mixtral = R"({"model_type": "mixtral", "hidden_size": 32,
+      "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 8,
+      "vocab_size": 40)";
+  const LlamaConfig m = LlamaConfig::from_json(mixtral + "}");
+  EXPECT_EQ(m.architecture, "MixtralForCausalLM");
+  EXPECT_EQ(m.moe->num_experts, 8);
+  EXPECT_EQ(m.moe->num_experts_per_tok, 2);
+  EXPECT_EQ(m.moe->moe_intermediate_size, 48);
+  EXPECT_TRUE(m.moe->norm_topk_prob);
+  EXPECT_FALSE(m.sliding_window);
+  EXPECT_TRUE(m.sparse_layer(0) && m.sparse_layer(1));
+
+  EXPECT_THAT(error_of([&] {
+                LlamaConfig::from_json(qwen + R"(, "num_experts": 4, "num_experts_per_tok": 5})");
+              }),
+              HasSubstr("num_experts_per_tok 5 must be between 1 and the number of experts (4)"));
+  EXPECT_THAT(error_of([&] { LlamaConfig::from_json(mixtral + R"(, "num_local_experts": 0})"); }),
+              HasSubstr("num_local_experts 0 must be positive"));
+  EXPECT_THAT(error_of([&] { LlamaConfig::from_json(qwen + R"(, "mlp_only_layers": [4]})"); }),
+              HasSubstr("mlp_only_layers names layer 4 of 4"));
+  EXPECT_THAT(error_of([&] { LlamaConfig::from_json(qwen + R"(, "decoder_sparse_step": 0})"); }),
+              HasSubstr("decoder_sparse_step must be positive"));
+  EXPECT_THAT(
+      error_of([&] { LlamaConfig::from_json(mixtral + R"(, "router_jitter_noise": 0.1})"); }),
+      HasSubstr("router_jitter_noise"));
+
+  // A dense model has no aux loss; a sparse one has a router per sparse layer.
+  CausalLM dense(LlamaConfig::from_json(minimal_config()));
+  EXPECT_THROW(dense->aux_loss(), mdist::Error);
+  EXPECT_TRUE(dense->router_logits().empty());
 }
 
 }  // namespace

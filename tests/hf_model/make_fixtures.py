@@ -19,6 +19,18 @@ prediction comes from a padded position), and HF's "logits" [3, 8, V] and "loss"
 order, f32); for llama also that gradient of "model.embed_tokens.weight" (its pad_token_id
 row is zero) as "grad:model.embed_tokens.weight", and "logits_with_position_ids" for
 "position_ids" counted from each row's first real token.
+
+Mixtures of experts (qwen3_moe* and mixtral): transformers 5 holds the experts fused
+(mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]); the fixture stores the
+weights under the published checkpoints' per-expert names (mlp.experts.N.{gate,up,down}_proj,
+Mixtral block_sparse_moe.experts.N.w{1,3,2}, gate first in gate_up_proj) and the fused tensors
+as they are in transformers' state_dict under "fused:<key>". The model runs with
+output_router_logits=True and router_aux_loss_coef=0.1: "loss" is the language-model loss
+alone, "aux_loss" transformers' aux_loss (attention mask applied), "aux_loss_no_mask" that of
+load_balancing_loss_func without a mask for row 0 alone, "total_loss" transformers' loss (loss + coef *
+aux_loss), whose gradients give "grad_norms" (0 for an expert no token chose).
+qwen3_moe_bf16: the qwen3_moe model in bf16 with every router (mlp.gate) kept in fp32 and fed
+fp32 input (a forward pre-hook), "logits" and the losses of that run.
 """
 import json
 import pathlib
@@ -26,7 +38,9 @@ import pathlib
 import torch
 import transformers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 HERE = pathlib.Path(__file__).resolve().parent / "fixtures"
 COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -46,6 +60,48 @@ ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(rope_theta=1000000.0, head_dim=8,
                                                   tie_word_embeddings=False)),
 }
+MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+QWEN3_MOE = dict(rope_theta=1000000.0, head_dim=8, tie_word_embeddings=False, num_experts=4,
+                 moe_intermediate_size=16, **MOE)
+ARCHS.update({
+    # layer 0 sparse, layer 1 dense (mlp_only_layers); top-k probabilities not renormalised
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        QWEN3_MOE, norm_topk_prob=False, mlp_only_layers=[1])),
+    # layer 0 dense, layer 1 sparse (decoder_sparse_step 2); renormalised
+    "qwen3_moe_norm": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        QWEN3_MOE, norm_topk_prob=True, decoder_sparse_step=2)),
+    "qwen3_moe_bf16": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        QWEN3_MOE, norm_topk_prob=False, mlp_only_layers=[1])),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(
+        rope_theta=1000000.0, num_local_experts=4, tie_word_embeddings=False, **MOE)),
+})
+
+
+def published(state, config):
+    """transformers 5's fused experts -> the published per-expert keys, and the fused ones."""
+    out, fused = {}, {}
+    mixtral = config.model_type == "mixtral"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for key, t in state.items():
+        prefix = key.rsplit(".experts.", 1)[0]
+        if mixtral:
+            prefix = prefix.replace(".mlp", ".block_sparse_moe")
+        if key.endswith(".experts.gate_up_proj"):
+            fused[key] = t
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.{names[0]}.weight"] = t[e, :half]
+                out[f"{prefix}.experts.{e}.{names[1]}.weight"] = t[e, half:]
+        elif key.endswith(".experts.down_proj"):
+            fused[key] = t
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.{names[2]}.weight"] = t[e]
+        elif mixtral and key.endswith(".mlp.gate.weight"):
+            fused[key] = t
+            out[key.replace(".mlp.", ".block_sparse_moe.")] = t
+        else:
+            out[key] = t
+    return out, fused
 
 
 def write(arch, config_cls, model_cls, extra):
@@ -60,6 +116,13 @@ def write(arch, config_cls, model_cls, extra):
             else:
                 param.copy_(0.3 * torch.randn_like(param))
             param.copy_(param.half().float())
+    moe = hasattr(config, "num_experts_per_tok")
+    if arch.endswith("_bf16"):  # bf16, routers in fp32 fed fp32 input
+        model.to(torch.bfloat16)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.float()
+                layer.mlp.gate.register_forward_pre_hook(lambda m, args: (args[0].float(),))
 
     T = 8
     ids = torch.randint(0, config.vocab_size, (3, T))
@@ -73,6 +136,22 @@ def write(arch, config_cls, model_cls, extra):
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     assert torch.isfinite(out.loss), out.loss
     out.loss.backward()
+    extra = []
+    if moe:
+        with torch.no_grad():
+            plain = model(input_ids=ids, attention_mask=mask, labels=labels,
+                          output_router_logits=False)
+            # Without a mask every position counts, padding too, whose hidden states are
+            # unspecified: row 0 alone (no padding).
+            experts = getattr(config, "num_experts", None) or config.num_local_experts
+            row = model(input_ids=ids[:1], output_router_logits=True)
+            no_mask = load_balancing_loss_func(row.router_logits, experts,
+                                               config.num_experts_per_tok, None)
+        assert torch.equal(plain.logits, out.logits)
+        extra = [("total_loss", out.loss.detach().float()), ("aux_loss", out.aux_loss.detach().float()),
+                 ("aux_loss_no_mask", no_mask.float())]
+        print(arch, "aux_loss", out.aux_loss.item(), "router logits", len(out.router_logits))
+        out.loss = plain.loss
 
     out_dir = HERE / arch
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -80,11 +159,19 @@ def write(arch, config_cls, model_cls, extra):
     state = model.state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    fused = {}
+    if moe:
+        state, fused = published(state, config)
     tensors = [(n, t.detach().half()) for n, t in sorted(state.items())]
+    tensors += [("fused:" + n, t.detach().half()) for n, t in sorted(fused.items())]
+    grads = {n: (p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float))
+             for n, p in model.named_parameters()}
+    if moe:
+        grads, _ = published(grads, config)
     tensors += [("input_ids", ids), ("attention_mask", mask), ("labels", labels),
                 ("logits", out.logits.detach().float()), ("loss", out.loss.detach().float()),
-                ("grad_norms", torch.stack([p.grad.norm() for _, p in sorted(
-                    model.named_parameters())]))]
+                ("grad_norms", torch.stack([g.norm() for _, g in sorted(grads.items())]))]
+    tensors += extra
     if arch == "llama":  # the full embedding gradient, and explicit position ids
         tensors.append(("grad:model.embed_tokens.weight", model.model.embed_tokens.weight.grad))
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them

@@ -1,12 +1,17 @@
 #pragma once
 // The Hugging Face Llama-family causal LM (LlamaForCausalLM, MistralForCausalLM,
-// Qwen2ForCausalLM, Qwen3ForCausalLM) as a libtorch module whose parameter names are the
-// checkpoint keys, so a checkpoint loads by name with no mapping table:
+// Qwen2ForCausalLM, Qwen3ForCausalLM, and the mixtures of experts Qwen3MoeForCausalLM and
+// MixtralForCausalLM) as a libtorch module whose parameter names are the keys of the
+// published checkpoints, so a checkpoint loads by name with no mapping table:
 //
 //   model.embed_tokens.weight
 //   model.layers.N.self_attn.{q,k,v,o}_proj.{weight,bias}     bias per LlamaConfig
-//   model.layers.N.self_attn.{q,k}_norm.weight                Qwen3
-//   model.layers.N.mlp.{gate,up,down}_proj.weight
+//   model.layers.N.self_attn.{q,k}_norm.weight                Qwen3, Qwen3-MoE
+//   model.layers.N.mlp.{gate,up,down}_proj.weight              dense layers
+//   model.layers.N.mlp.gate.weight                             Qwen3-MoE sparse layers: router
+//   model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight      and experts
+//   model.layers.N.block_sparse_moe.gate.weight                Mixtral: router
+//   model.layers.N.block_sparse_moe.experts.E.w{1,3,2}.weight    and experts (gate, up, down)
 //   model.layers.N.{input,post_attention}_layernorm.weight
 //   model.norm.weight
 //   lm_head.weight                                            absent when tie_word_embeddings
@@ -22,6 +27,14 @@
 // rotate-half RoPE from rope_theta (with Llama 3 scaling), GQA by repeating k/v heads, causal
 // scaled-dot-product attention with an optional padding mask and (Mistral) sliding window.
 // Parameters are created in fp32 on the CPU; use ->to() for another dtype or device.
+//
+// Mixtures of experts route as transformers 5: router logits in the router's dtype (its input
+// is cast to it, so a router kept in fp32 in a bf16 model routes in fp32), softmax in fp32,
+// torch's topk (same tie-breaking), optional renormalisation, each chosen expert's output
+// times its probability added up per token in expert order. transformers 5 holds the experts
+// fused in memory (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]);
+// mdist keeps one Linear per expert under the published checkpoints' names, and reads the
+// fused layout too (hf::unfuse_experts).
 //
 // Built with device = kMeta, every parameter is a meta tensor (shape and dtype, no storage):
 // each Linear, Embedding and RMSNorm gets its parameters on meta as it is built, so nothing of
@@ -70,18 +83,41 @@ TORCH_MODULE(Attention);
 
 struct MLPImpl : torch::nn::Module {  // SwiGLU
   explicit MLPImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
+  // An MoE expert: intermediate size `intermediate`, no bias, Mixtral's names w1, w3, w2 for
+  // gate_proj, up_proj, down_proj when `mixtral_names`.
+  MLPImpl(int64_t hidden, int64_t intermediate, bool mixtral_names, c10::Device device);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(MLP);
 
+// Qwen3-MoE's and Mixtral's sparse MoE block: router `gate` and experts (MoeConfig).
+struct SparseMoeBlockImpl : torch::nn::Module {
+  SparseMoeBlockImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
+  // x [B, T, hidden] -> [B, T, hidden]; keeps this call's router logits in router_logits.
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::Linear gate{nullptr};  // the router: hidden -> num_experts, no bias
+  torch::nn::ModuleList experts_list{nullptr};
+  std::vector<MLP> experts;  // experts_list, typed
+  int64_t top_k;
+  bool norm_topk_prob;
+  // Qwen3-MoE casts the top-k probabilities to the router logits' dtype; Mixtral keeps fp32.
+  bool probabilities_to_logits_dtype;
+  // The last forward's router logits [B * T, num_experts] (in the router's dtype, with their
+  // autograd graph), for the load-balancing loss.
+  at::Tensor router_logits;
+};
+TORCH_MODULE(SparseMoeBlock);
+
 struct DecoderLayerImpl : torch::nn::Module {
-  explicit DecoderLayerImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
+  // `index`: the layer's number, which decides dense or sparse (LlamaConfig::sparse_layer).
+  DecoderLayerImpl(const LlamaConfig& config, c10::Device device = c10::kCPU, int64_t index = 0);
   // Called by DecoderModel through mdist::nn::call, which runs this layer's hooks.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& mask);
   Attention self_attn{nullptr};
-  MLP mlp{nullptr};
+  MLP mlp{nullptr};             // a dense layer
+  SparseMoeBlock moe{nullptr};  // a sparse layer (registered as "mlp" or "block_sparse_moe")
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
 };
 TORCH_MODULE(DecoderLayer);
@@ -116,6 +152,14 @@ struct CausalLMImpl : torch::nn::Module {
   at::Tensor output_weight() const;
   // causal_lm_loss(logits, labels): HF's shifted cross entropy.
   static at::Tensor loss(const at::Tensor& logits, const at::Tensor& labels);
+  // Of a mixture of experts: the router logits of the last forward, one [B * T, num_experts]
+  // per sparse layer in layer order (transformers' output_router_logits); empty for a dense
+  // model. Valid until the next forward.
+  std::vector<at::Tensor> router_logits() const;
+  // The load-balancing loss of the last forward (load_balancing_loss of router_logits() with
+  // that forward's attention_mask, as transformers' MoE CausalLMs compute aux_loss), not yet
+  // times router_aux_loss_coef. Throws Error for a dense model.
+  at::Tensor aux_loss(const at::Tensor& attention_mask = {}) const;
 
   LlamaConfig config;
   DecoderModel model{nullptr};
@@ -130,6 +174,14 @@ TORCH_MODULE(CausalLM);
 // HF's causal-LM loss: cross entropy of logits [B, T, V] at t against labels [B, T] at t + 1,
 // in fp32, ignoring labels of -100, mean over the tokens not ignored.
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
+// transformers' load_balancing_loss_func (Switch Transformer eq. 4-6) over every layer's
+// router logits [N, E]: num_experts * sum_e f_e * P_e, f_e the share of top-k choices that
+// went to expert e, P_e the mean softmax probability of e, both over all layers' tokens;
+// with an attention_mask [B, T] (N = B * T), padding tokens count in neither. The softmax runs
+// in the logits' dtype, as transformers'; the result is fp32. Gradients flow through P only.
+at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int64_t num_experts,
+                               int64_t top_k, const at::Tensor& attention_mask = {});
+
 inline at::Tensor CausalLMImpl::loss(const at::Tensor& logits, const at::Tensor& labels) {
   return causal_lm_loss(logits, labels);
 }
@@ -138,8 +190,16 @@ inline at::Tensor CausalLMImpl::loss(const at::Tensor& logits, const at::Tensor&
 // Throws mdist::Error naming the missing, unexpected and mis-shaped keys. An lm_head.weight
 // for a tied model (no lm_head parameter) of embed_tokens' shape is ignored.
 void load_state_dict(torch::nn::Module& model, const std::map<std::string, at::Tensor>& tensors);
-inline void load_state_dict(CausalLM& model, const std::map<std::string, at::Tensor>& tensors) {
-  load_state_dict(*model, tensors);
-}
+// A mixture of experts also takes transformers 5's fused expert layout (unfuse_experts).
+void load_state_dict(CausalLM& model, const std::map<std::string, at::Tensor>& tensors);
+
+// transformers 5's in-memory layout of a mixture of experts -> the published checkpoints' keys
+// (CausalLM's names): P.experts.gate_up_proj [E, 2I, H] becomes P.experts.N.gate_proj.weight
+// (rows [0, I)) and up_proj (rows [I, 2I)), P.experts.down_proj [E, H, I] P.experts.N.down_proj;
+// for Mixtral, whose P is "...mlp" there, also P.gate.weight, and the names become
+// "...block_sparse_moe" with w1 / w3 / w2. Other keys pass through; a dense config returns the
+// map as is. Throws Error naming a fused tensor whose shape does not fit the config.
+std::map<std::string, at::Tensor> unfuse_experts(const LlamaConfig& config,
+                                                 std::map<std::string, at::Tensor> tensors);
 
 }  // namespace mdist::hf

@@ -1,7 +1,8 @@
 #pragma once
 // The configuration of a Hugging Face Llama-family causal LM (config.json), for
 // mdist::hf::CausalLM. Supported architectures: LlamaForCausalLM, MistralForCausalLM,
-// Qwen2ForCausalLM and Qwen3ForCausalLM, whose decoders differ only in what this struct holds.
+// Qwen2ForCausalLM, Qwen3ForCausalLM and the mixtures of experts Qwen3MoeForCausalLM and
+// MixtralForCausalLM, whose decoders differ only in what this struct holds.
 //
 // Both config.json styles are read: transformers 4 (top-level "rope_theta" and
 // "rope_scaling") and transformers 5 ("rope_parameters" holding rope_theta and rope_type).
@@ -30,6 +31,25 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
+// The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral: a router (a bias-free Linear
+// hidden -> num_experts, softmax in fp32, top num_experts_per_tok) and num_experts SwiGLU
+// experts of moe_intermediate_size, their outputs summed with the top-k probabilities.
+struct MoeConfig {
+  int64_t num_experts = 0;  // Qwen3 "num_experts", Mixtral "num_local_experts"
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;  // Mixtral: intermediate_size
+  bool norm_topk_prob = false;        // top-k probabilities renormalised to sum 1 (Mixtral: always)
+  // Qwen3-MoE: layer i is sparse unless i is in mlp_only_layers or (i + 1) % step != 0; the
+  // others get a dense MLP of intermediate_size. Mixtral: every layer is sparse.
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  double router_aux_loss_coef = 0.001;  // weight of the load-balancing loss in training
+  bool output_router_logits = false;    // transformers adds the aux loss to its loss only then
+  // Parameter names: Mixtral's "block_sparse_moe" with experts w1 (gate), w3 (up), w2 (down);
+  // Qwen3-MoE's "mlp" with gate_proj, up_proj, down_proj.
+  bool mixtral_names = false;
+};
+
 struct LlamaConfig {
   std::string architecture;                // e.g. "LlamaForCausalLM" (architectures[0])
   std::vector<std::string> architectures;  // as in config.json
@@ -54,6 +74,10 @@ struct LlamaConfig {
   bool mlp_bias = false;  // Llama mlp_bias
   bool qk_norm = false;   // Qwen3: RMSNorm over head_dim of q and k (q_norm, k_norm)
   std::string torch_dtype = "float32";  // "torch_dtype" (transformers 4) or "dtype" (5)
+  std::optional<MoeConfig> moe;         // none: a dense model
+
+  // Whether decoder layer `layer` has the sparse MoE block (else a dense MLP).
+  bool sparse_layer(int64_t layer) const;
 
   // Throws ConfigError naming the architecture, the missing key or the unsupported value.
   static LlamaConfig from_json(const std::string& text);
