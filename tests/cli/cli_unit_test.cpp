@@ -11,6 +11,7 @@
 #include <functional>
 #include <set>
 
+#include "src/cli/documents.h"
 #include "src/cli/input_error.h"
 #include "src/cli/loss_plot.h"
 #include "src/cli/progress.h"
@@ -185,6 +186,58 @@ TEST(TokenData, BadDataIsOneClearError) {
             "data file '/nonexistent/data.txt' does not exist");
   EXPECT_EQ(message_of([] { mdist::cli::parse_data_format("csv"); }),
             "unknown data format 'csv' (expected auto, text, ids, u16, u32 or i32)");
+}
+
+// Documents of every split: the same documents in the same order whatever the number of
+// parts the file is cut into, each part starting at a document boundary.
+std::vector<std::string> documents_in_parts(const std::filesystem::path& path,
+                                            const mdist::cli::DocumentOptions& options, int parts) {
+  const mdist::cli::MappedFile file(path, "data file");
+  std::vector<std::string> docs;
+  std::size_t previous_end = 0;
+  for (int p = 0; p < parts; ++p) {
+    const auto [begin, end] = mdist::cli::document_range(file, p, parts, options.sample_by);
+    EXPECT_EQ(begin, previous_end);
+    previous_end = end;
+    mdist::cli::for_each_document(
+        file, begin, end, options,
+        [&](std::string_view doc, std::size_t) { docs.emplace_back(doc); });
+  }
+  EXPECT_EQ(previous_end, file.size());
+  return docs;
+}
+
+TEST(Documents, LinesParagraphsAndJsonLinesAreTheSameWhateverTheParts) {
+  const ScratchFile text("docs.txt", "first line\r\nsecond\n\n\nthird para\nstill third\n\nlast");
+  mdist::cli::DocumentOptions lines;
+  const std::vector<std::string> expected_lines = {"first line", "second", "third para",
+                                                   "still third", "last"};
+  mdist::cli::DocumentOptions paragraphs;
+  paragraphs.sample_by = mdist::cli::SampleBy::paragraph;
+  const std::vector<std::string> expected_paragraphs = {"first line\r\nsecond",
+                                                        "third para\nstill third", "last"};
+  mdist::cli::DocumentOptions whole;
+  whole.sample_by = mdist::cli::SampleBy::document;
+  for (int parts = 1; parts <= 9; ++parts) {
+    EXPECT_EQ(documents_in_parts(text.path(), lines, parts), expected_lines) << parts;
+    EXPECT_EQ(documents_in_parts(text.path(), paragraphs, parts), expected_paragraphs) << parts;
+    EXPECT_EQ(documents_in_parts(text.path(), whole, parts).size(), 1u) << parts;
+  }
+  const ScratchFile jsonl(
+      "docs.jsonl", "{\"text\": \"a\\nb\", \"id\": 1}\n\n{\"id\": 2, \"text\": \"\u00e9\"}\n");
+  mdist::cli::DocumentOptions json;
+  json.format = mdist::cli::DocumentFormat::jsonl;
+  for (int parts = 1; parts <= 4; ++parts) {
+    EXPECT_EQ(documents_in_parts(jsonl.path(), json, parts),
+              (std::vector<std::string>{"a\nb", "\u00e9"}));
+  }
+  json.field = "body";
+  EXPECT_EQ(message_of([&] { documents_in_parts(jsonl.path(), json, 1); }),
+            "'" + jsonl.path().string() + "' line 1 has no string field 'body' (--field)");
+  const ScratchFile broken("broken.jsonl", "{\"text\": \"ok\"}\n\n{\"text\": \n");
+  json.field = "text";
+  EXPECT_EQ(message_of([&] { documents_in_parts(broken.path(), json, 2); }),
+            "'" + broken.path().string() + "' line 3 is not JSON");
 }
 
 TEST(Windows, CutsNonOverlappingWindowsAndRejectsShortData) {
