@@ -233,7 +233,10 @@ TokenStream load_data(const ModelDataOptions& options, DataSplit default_split,
   } else {
     split = parse_data_split(options.split);
   }
-  if (options.data) return load_tokens(*options.data, format, split, vocab_size);
+  // The id range check is split across the ranks (agree_on_inputs combines the outcomes).
+  if (options.data) {
+    return load_tokens(*options.data, format, split, vocab_size, {rank(), size()});
+  }
   return load_tokens_from_bytes(embedded_corpus(), std::string(kEmbeddedCorpusName) + " [embedded]",
                                 DataFormat::text, split, vocab_size);
 }
@@ -243,8 +246,7 @@ at::Tensor batch_of(const Windows& windows, const std::vector<std::int64_t>& whi
   auto ids = torch::empty({static_cast<int64_t>(which.size()), T}, torch::kInt64);
   auto* out = ids.data_ptr<int64_t>();
   for (std::size_t b = 0; b < which.size(); ++b) {
-    const std::int32_t* window = windows.data(which[b]);
-    std::copy(window, window + T, out + static_cast<int64_t>(b) * T);
+    windows.copy(which[b], out + static_cast<int64_t>(b) * T);
   }
   return ids;
 }

@@ -97,10 +97,11 @@ void add_model_data(CLI::App& app, ModelDataOptions& io, bool with_model = true)
   }
   app.add_option("--data", io.data, "Data file (default: the embedded corpus)")->type_name("FILE");
   app.add_option("--data-format", io.data_format,
-                 "text (one token per byte), ids (whitespace-separated decimal ids), u16 or i32 "
-                 "(little-endian binary), or auto (by extension: .ids, .u16/.bin, .i32, else text)")
+                 "text (through the model's tokenizer.json, else one token per byte), ids "
+                 "(whitespace-separated decimal ids), u16, u32 or i32 (little-endian binary, "
+                 "memory-mapped), or auto (by extension: .ids, .u16/.bin, .u32, .i32, else text)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "text", "ids", "u16", "i32"}));
+      ->check(CLI::IsMember({"auto", "text", "ids", "u16", "u32", "i32"}));
   app.add_option("--split", io.split,
                  "Part of the data: all, train (first 90%), eval (last 10%); auto: the "
                  "command's split of the embedded corpus, all of a --data file")

@@ -11,6 +11,7 @@
 #include <functional>
 #include <set>
 
+#include "src/cli/documents.h"
 #include "src/cli/input_error.h"
 #include "src/cli/loss_plot.h"
 #include "src/cli/progress.h"
@@ -34,6 +35,25 @@ std::string message_of(const std::function<void()>& fn) {
   return "(no InputError)";
 }
 
+std::vector<std::int32_t> ids_of(const mdist::cli::TokenStream& stream) {
+  return stream.read(0, stream.size());
+}
+
+// A scratch file under the test's temporary directory, removed with the object.
+class ScratchFile {
+ public:
+  ScratchFile(const std::string& name, const std::string& bytes)
+      : path_(std::filesystem::temp_directory_path() /
+              ("mdist-cli-unit-" + std::to_string(getpid()) + "-" + name)) {
+    std::ofstream(path_, std::ios::binary) << bytes;
+  }
+  ~ScratchFile() { std::filesystem::remove(path_); }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
 TEST(LrSchedule, WarmsUpLinearlyThenDecaysByCosineToTheFloor) {
   const mdist::cli::LrSchedule s{
       .peak = 1.0, .warmup_steps = 10, .total_steps = 110, .min_ratio = 0.1};
@@ -54,30 +74,88 @@ TEST(TokenData, TextIsOneTokenPerByteAndSplitsNinetyTen) {
   text[0] = static_cast<char>(0xff);
   const auto all =
       mdist::cli::load_tokens_from_bytes(text, "t", DataFormat::text, DataSplit::all, 256);
-  ASSERT_EQ(all.tokens.size(), 100u);
-  EXPECT_EQ(all.tokens[0], 255);
-  EXPECT_EQ(all.tokens[1], 'a');
-  EXPECT_EQ(mdist::cli::load_tokens_from_bytes(text, "t", DataFormat::text, DataSplit::train, 256)
-                .tokens.size(),
-            90u);
-  EXPECT_EQ(mdist::cli::load_tokens_from_bytes(text, "t", DataFormat::text, DataSplit::eval, 256)
-                .tokens.size(),
-            10u);
+  ASSERT_EQ(all.size(), 100);
+  EXPECT_EQ(ids_of(all)[0], 255);
+  EXPECT_EQ(ids_of(all)[1], 'a');
+  EXPECT_EQ(
+      mdist::cli::load_tokens_from_bytes(text, "t", DataFormat::text, DataSplit::train, 256).size(),
+      90);
+  EXPECT_EQ(
+      mdist::cli::load_tokens_from_bytes(text, "t", DataFormat::text, DataSplit::eval, 256).size(),
+      10);
   EXPECT_THAT(all.description, HasSubstr("100 tokens"));
 }
 
 TEST(TokenData, IdsAndBinaryFormats) {
   const auto ids = mdist::cli::load_tokens_from_bytes(" 1 2\n3\t40 ", "x.ids", DataFormat::ids,
                                                       DataSplit::all, 50);
-  EXPECT_EQ(ids.tokens, (std::vector<std::int32_t>{1, 2, 3, 40}));
+  EXPECT_EQ(ids_of(ids), (std::vector<std::int32_t>{1, 2, 3, 40}));
   const std::string u16("\x01\x00\x02\x01", 4);
-  EXPECT_EQ(mdist::cli::load_tokens_from_bytes(u16, "x.u16", DataFormat::u16, DataSplit::all, 1000)
-                .tokens,
+  EXPECT_EQ(ids_of(mdist::cli::load_tokens_from_bytes(u16, "x.u16", DataFormat::u16, DataSplit::all,
+                                                      1000)),
             (std::vector<std::int32_t>{1, 258}));
   const std::string i32("\x05\x00\x00\x00", 4);
   EXPECT_EQ(
-      mdist::cli::load_tokens_from_bytes(i32, "x.i32", DataFormat::i32, DataSplit::all, 10).tokens,
+      ids_of(mdist::cli::load_tokens_from_bytes(i32, "x.i32", DataFormat::i32, DataSplit::all, 10)),
       (std::vector<std::int32_t>{5}));
+  const std::string u32("\x05\x00\x01\x00\x07\x00\x00\x00", 8);
+  EXPECT_EQ(ids_of(mdist::cli::load_tokens_from_bytes(u32, "x.u32", DataFormat::u32, DataSplit::all,
+                                                      70000)),
+            (std::vector<std::int32_t>{65541, 7}));
+}
+
+// The memory-mapped files give the ids the in-memory reading gives, for every binary format
+// and for text, whole and split; the extension picks the format.
+TEST(TokenData, MappedFilesReadAsTheBytesInMemory) {
+  std::string bytes;
+  for (int i = 0; i < 4000; ++i) bytes.push_back(static_cast<char>((i * 7 + i / 256) % 127));
+  for (const auto& [ext, format] : {std::pair{".txt", DataFormat::text},
+                                    {".u16", DataFormat::u16},
+                                    {".bin", DataFormat::u16},
+                                    {".u32", DataFormat::u32},
+                                    {".i32", DataFormat::i32}}) {
+    const ScratchFile file(std::string("mapped") + ext, bytes);
+    for (const auto split : {DataSplit::all, DataSplit::train, DataSplit::eval}) {
+      const auto memory = mdist::cli::load_tokens_from_bytes(bytes, file.path().string(), format,
+                                                             split, std::int64_t{1} << 31);
+      const auto mapped =
+          mdist::cli::load_tokens(file.path(), DataFormat::automatic, split, std::int64_t{1} << 31);
+      EXPECT_EQ(ids_of(mapped), ids_of(memory)) << ext;
+      EXPECT_EQ(mapped.description, memory.description);
+      // A window in the middle, as batches read it.
+      std::vector<std::int64_t> window(5);
+      mapped.copy(3, 5, window.data());
+      EXPECT_EQ(window[4], ids_of(memory)[7]) << ext;
+    }
+  }
+}
+
+// The range check split in parts: only the part holding a bad id finds it, and it names the
+// id's position in the file; a u32 id beyond int32 is named with its value.
+TEST(TokenData, RangeCheckSplitAcrossPartsFindsTheBadIdInItsPart) {
+  std::string bytes(2 * 1000, '\0');
+  bytes[2 * 700] = static_cast<char>(0x2c);  // id 300 at token 700
+  bytes[2 * 700 + 1] = 1;
+  const ScratchFile file("check.u16", bytes);
+  const std::string expected = "data file '" + file.path().string() +
+                               "': token 700 has id 300, outside the model's vocabulary [0, 256)";
+  for (int index = 0; index < 3; ++index) {
+    const auto check = [&] {
+      mdist::cli::load_tokens(file.path(), DataFormat::automatic, DataSplit::all, 256, {index, 3});
+    };
+    EXPECT_EQ(message_of(check), index == 2 ? expected : "(no InputError)") << index;
+  }
+  const ScratchFile big("big.u32", std::string("\x01\x00\x00\x00\xff\xff\xff\xff", 8));
+  EXPECT_EQ(message_of([&] {
+              mdist::cli::load_tokens(big.path(), DataFormat::automatic, DataSplit::all, 256);
+            }),
+            "data file '" + big.path().string() +
+                "': token 1 has id 4294967295, outside the model's vocabulary [0, 256)");
+  const ScratchFile odd("odd.u32", "abcdef");
+  EXPECT_EQ(message_of([&] {
+              mdist::cli::load_tokens(odd.path(), DataFormat::automatic, DataSplit::all, 256);
+            }),
+            "data file '" + odd.path().string() + "' (u32) has 6 bytes, not a multiple of 4");
 }
 
 TEST(TokenData, BadDataIsOneClearError) {
@@ -107,7 +185,59 @@ TEST(TokenData, BadDataIsOneClearError) {
             }),
             "data file '/nonexistent/data.txt' does not exist");
   EXPECT_EQ(message_of([] { mdist::cli::parse_data_format("csv"); }),
-            "unknown data format 'csv' (expected auto, text, ids, u16 or i32)");
+            "unknown data format 'csv' (expected auto, text, ids, u16, u32 or i32)");
+}
+
+// Documents of every split: the same documents in the same order whatever the number of
+// parts the file is cut into, each part starting at a document boundary.
+std::vector<std::string> documents_in_parts(const std::filesystem::path& path,
+                                            const mdist::cli::DocumentOptions& options, int parts) {
+  const mdist::cli::MappedFile file(path, "data file");
+  std::vector<std::string> docs;
+  std::size_t previous_end = 0;
+  for (int p = 0; p < parts; ++p) {
+    const auto [begin, end] = mdist::cli::document_range(file, p, parts, options.sample_by);
+    EXPECT_EQ(begin, previous_end);
+    previous_end = end;
+    mdist::cli::for_each_document(
+        file, begin, end, options,
+        [&](std::string_view doc, std::size_t) { docs.emplace_back(doc); });
+  }
+  EXPECT_EQ(previous_end, file.size());
+  return docs;
+}
+
+TEST(Documents, LinesParagraphsAndJsonLinesAreTheSameWhateverTheParts) {
+  const ScratchFile text("docs.txt", "first line\r\nsecond\n\n\nthird para\nstill third\n\nlast");
+  mdist::cli::DocumentOptions lines;
+  const std::vector<std::string> expected_lines = {"first line", "second", "third para",
+                                                   "still third", "last"};
+  mdist::cli::DocumentOptions paragraphs;
+  paragraphs.sample_by = mdist::cli::SampleBy::paragraph;
+  const std::vector<std::string> expected_paragraphs = {"first line\r\nsecond",
+                                                        "third para\nstill third", "last"};
+  mdist::cli::DocumentOptions whole;
+  whole.sample_by = mdist::cli::SampleBy::document;
+  for (int parts = 1; parts <= 9; ++parts) {
+    EXPECT_EQ(documents_in_parts(text.path(), lines, parts), expected_lines) << parts;
+    EXPECT_EQ(documents_in_parts(text.path(), paragraphs, parts), expected_paragraphs) << parts;
+    EXPECT_EQ(documents_in_parts(text.path(), whole, parts).size(), 1u) << parts;
+  }
+  const ScratchFile jsonl(
+      "docs.jsonl", "{\"text\": \"a\\nb\", \"id\": 1}\n\n{\"id\": 2, \"text\": \"\u00e9\"}\n");
+  mdist::cli::DocumentOptions json;
+  json.format = mdist::cli::DocumentFormat::jsonl;
+  for (int parts = 1; parts <= 4; ++parts) {
+    EXPECT_EQ(documents_in_parts(jsonl.path(), json, parts),
+              (std::vector<std::string>{"a\nb", "\u00e9"}));
+  }
+  json.field = "body";
+  EXPECT_EQ(message_of([&] { documents_in_parts(jsonl.path(), json, 1); }),
+            "'" + jsonl.path().string() + "' line 1 has no string field 'body' (--field)");
+  const ScratchFile broken("broken.jsonl", "{\"text\": \"ok\"}\n\n{\"text\": \n");
+  json.field = "text";
+  EXPECT_EQ(message_of([&] { documents_in_parts(broken.path(), json, 2); }),
+            "'" + broken.path().string() + "' line 3 is not JSON");
 }
 
 TEST(Windows, CutsNonOverlappingWindowsAndRejectsShortData) {
@@ -115,7 +245,9 @@ TEST(Windows, CutsNonOverlappingWindowsAndRejectsShortData) {
       mdist::cli::load_tokens_from_bytes("abcdefghij", "t", DataFormat::text, DataSplit::all, 256);
   const mdist::cli::Windows windows(stream, 4, "train");
   EXPECT_EQ(windows.count(), 2);
-  EXPECT_EQ(windows.data(1)[0], 'e');
+  std::vector<std::int64_t> second(4);
+  windows.copy(1, second.data());
+  EXPECT_EQ(second, (std::vector<std::int64_t>{'e', 'f', 'g', 'h'}));
   EXPECT_EQ(message_of([&] { mdist::cli::Windows(stream, 11, "train"); }),
             "train: data t (text, all split: 10 tokens) is shorter than one sequence of 11 tokens "
             "(--seq-len)");
@@ -129,6 +261,9 @@ TEST(WindowOrder, IsAFreshPermutationPerEpochAndAPureFunctionOfSeedAndPosition) 
   EXPECT_EQ(std::set<std::int64_t>(first.begin(), first.end()).size(), 7u);
   EXPECT_EQ(std::set<std::int64_t>(second.begin(), second.end()).size(), 7u);
   EXPECT_NE(first, second);
+  // The order the 8-byte permutation of earlier versions drew (so runs resume alike).
+  EXPECT_EQ(first, (std::vector<std::int64_t>{0, 3, 5, 2, 4, 1, 6}));
+  EXPECT_EQ(second, (std::vector<std::int64_t>{3, 5, 4, 6, 1, 0, 2}));
   mdist::cli::WindowOrder again(7, 42);  // random access, as a resumed run does
   EXPECT_EQ(again.window_of(9), second[2]);
   EXPECT_EQ(again.window_of(3), first[3]);
