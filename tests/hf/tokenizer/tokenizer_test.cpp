@@ -333,6 +333,10 @@ TEST_F(Broken, UnsupportedComponentsAreNamed) {
          j["truncation"] = {{"max_length", 8}};
        },
        "truncation is not supported"},
+      {[](json& j) {
+         j["padding"] = {{"strategy", {{"Fixed", 16}}}};
+       },
+       "padding {"},
   };
   for (const auto& [edit, message] : cases) {
     json j = base_;
@@ -341,6 +345,20 @@ TEST_F(Broken, UnsupportedComponentsAreNamed) {
     EXPECT_THAT(error, ::testing::HasSubstr(message));
     EXPECT_THAT(error, ::testing::HasSubstr("tokenizer.json"));
   }
+}
+
+TEST_F(Broken, PaddingToTheBatchLongestIsAcceptedAsANoOp) {
+  json j = base_;
+  j["padding"] = {{"strategy", "BatchLongest"},
+                  {"direction", "Right"},
+                  {"pad_to_multiple_of", nullptr},
+                  {"pad_id", 0},
+                  {"pad_type_id", 0},
+                  {"pad_token", "<|endoftext|>"}};
+  std::ofstream(dir_ / "tokenizer.json") << j.dump();
+  const auto padded = Tokenizer::from_file(dir_ / "tokenizer.json");
+  const auto plain = Tokenizer::from_directory(kFixtures / "gpt2");
+  EXPECT_EQ(padded.encode("a few words", true), plain.encode("a few words", true));
 }
 
 TEST_F(Broken, MalformedFilesAreNamed) {
