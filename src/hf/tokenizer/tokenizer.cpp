@@ -141,7 +141,10 @@ Tokenizer Tokenizer::from_file(const std::filesystem::path& tokenizer_json,
     if (!impl->model->token_to_id(t.content) && seen.insert(t.content).second) ++extra;
   }
   impl->vocab_size = static_cast<std::int64_t>(impl->model->vocab().size()) + extra;
-  const bool byte_level = j.dump().find("\"ByteLevel\"") != std::string::npos;
+  // Byte-level when a ByteLevel step is in the pre-tokenizer (not the whole file: the vocab can
+  // be megabytes).
+  const bool byte_level =
+      j.value("pre_tokenizer", Json()).dump().find("\"ByteLevel\"") != std::string::npos;
   impl->kind = byte_level                     ? "byte-level BPE"
                : impl->model->byte_fallback() ? "BPE with byte fallback"
                                               : "BPE";
