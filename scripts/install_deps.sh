@@ -11,6 +11,7 @@ packages=(
   libcli11-dev                      # command-line parsing (mdistrun)
   nlohmann-json3-dev                # JSON (safetensors headers, src/hf/)
   libpcre2-dev libutf8proc-dev      # tokenizer.json: Unicode regexes (PCRE2 JIT), normalization (NFC/NFKC)
+  pkgconf                           # CMake finds PCRE2 and utf8proc through pkg-config
   clang libclang-rt-14-dev          # libFuzzer targets (fuzz/)
 )
 

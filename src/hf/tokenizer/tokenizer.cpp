@@ -108,8 +108,16 @@ Tokenizer Tokenizer::from_file(const std::filesystem::path& tokenizer_json,
     if (const auto t = j.find("truncation"); t != j.end() && !t->is_null()) {
       fail(file, "truncation is not supported (encode returns whole texts)");
     }
+    // Padding to the longest of a batch leaves a single encode as it is; any other padding
+    // would change its ids.
     if (const auto p = j.find("padding"); p != j.end() && !p->is_null()) {
-      fail(file, "padding is not supported (encode returns one unpadded text)");
+      const auto strategy = p->value("strategy", Json());
+      const bool batch_longest =
+          strategy.is_string() && strategy.get<std::string>() == "BatchLongest";
+      const auto multiple = p->value("pad_to_multiple_of", Json());
+      if (!batch_longest || !multiple.is_null()) {
+        fail(file, "padding " + p->dump() + " is not supported (encode returns one unpadded text)");
+      }
     }
     const auto model_json = j.find("model");
     if (model_json == j.end()) fail(file, "has no model");
@@ -133,7 +141,10 @@ Tokenizer Tokenizer::from_file(const std::filesystem::path& tokenizer_json,
     if (!impl->model->token_to_id(t.content) && seen.insert(t.content).second) ++extra;
   }
   impl->vocab_size = static_cast<std::int64_t>(impl->model->vocab().size()) + extra;
-  const bool byte_level = j.dump().find("\"ByteLevel\"") != std::string::npos;
+  // Byte-level when a ByteLevel step is in the pre-tokenizer (not the whole file: the vocab can
+  // be megabytes).
+  const bool byte_level =
+      j.value("pre_tokenizer", Json()).dump().find("\"ByteLevel\"") != std::string::npos;
   impl->kind = byte_level                     ? "byte-level BPE"
                : impl->model->byte_fallback() ? "BPE with byte fallback"
                                               : "BPE";

@@ -173,6 +173,62 @@ TEST_P(Family, StreamEncoderEqualsWholeEncode) {
   }
 }
 
+// Random texts around the cut points: newlines next to spaces, added tokens (lstrip/rstrip ones
+// included), invalid bytes and multi-byte characters, fed in random pieces.
+TEST_P(Family, StreamEncoderEqualsWholeEncodeOnRandomTexts) {
+  const auto tokenizer = Tokenizer::from_directory(dir_);
+  const std::vector<std::string> fragments = {"\n",
+                                              "\n",
+                                              " ",
+                                              "\t",
+                                              "word",
+                                              "hello world",
+                                              " bar",
+                                              "<|sp_l|>",
+                                              "<|sp_r|>",
+                                              "<|sp_both|>",
+                                              "<s>",
+                                              "</s>",
+                                              "<|endoftext|>",
+                                              "x",
+                                              "the",
+                                              "Ünï",
+                                              "日本",
+                                              "\xe6\x97",
+                                              "\xff",
+                                              "😀",
+                                              "123456",
+                                              "e\xcc\x81",
+                                              "\r\n",
+                                              "\xe3\x80\x80",
+                                              ".",
+                                              "it's",
+                                              "\xc2\xa0"};
+  std::mt19937 rng(42);
+  std::uniform_int_distribution<std::size_t> pick(0, fragments.size() - 1);
+  int cut_texts = 0;
+  for (int round = 0; round < 300; ++round) {
+    std::string text;
+    const auto n = std::uniform_int_distribution<int>(1, 60)(rng);
+    for (int k = 0; k < n; ++k) text += fragments[pick(rng)];
+    Tokenizer::StreamEncoder stream(tokenizer);
+    std::vector<std::int32_t> got;
+    std::size_t pos = 0;
+    while (pos < text.size()) {
+      const auto size = std::uniform_int_distribution<std::size_t>(1, 12)(rng);
+      stream.feed(std::string_view(text).substr(pos, size), got);
+      pos += size;
+    }
+    cut_texts += got.empty() ? 0 : 1;
+    stream.finish(got);
+    ASSERT_EQ(got, tokenizer.encode(text, false))
+        << GetParam() << " text "
+        << json(text).dump(-1, ' ', false, json::error_handler_t::replace);
+  }
+  std::cout << "[stream] " << GetParam() << ": 300 random texts, " << cut_texts
+            << " cut before finish()\n";
+}
+
 TEST_P(Family, ConcurrentEncodesShareTheWordCache) {
   const auto tokenizer = Tokenizer::from_directory(dir_);
   const auto lines = corpus_lines(corpus_);
@@ -277,6 +333,10 @@ TEST_F(Broken, UnsupportedComponentsAreNamed) {
          j["truncation"] = {{"max_length", 8}};
        },
        "truncation is not supported"},
+      {[](json& j) {
+         j["padding"] = {{"strategy", {{"Fixed", 16}}}};
+       },
+       "padding {"},
   };
   for (const auto& [edit, message] : cases) {
     json j = base_;
@@ -285,6 +345,20 @@ TEST_F(Broken, UnsupportedComponentsAreNamed) {
     EXPECT_THAT(error, ::testing::HasSubstr(message));
     EXPECT_THAT(error, ::testing::HasSubstr("tokenizer.json"));
   }
+}
+
+TEST_F(Broken, PaddingToTheBatchLongestIsAcceptedAsANoOp) {
+  json j = base_;
+  j["padding"] = {{"strategy", "BatchLongest"},
+                  {"direction", "Right"},
+                  {"pad_to_multiple_of", nullptr},
+                  {"pad_id", 0},
+                  {"pad_type_id", 0},
+                  {"pad_token", "<|endoftext|>"}};
+  std::ofstream(dir_ / "tokenizer.json") << j.dump();
+  const auto padded = Tokenizer::from_file(dir_ / "tokenizer.json");
+  const auto plain = Tokenizer::from_directory(kFixtures / "gpt2");
+  EXPECT_EQ(padded.encode("a few words", true), plain.encode("a few words", true));
 }
 
 TEST_F(Broken, MalformedFilesAreNamed) {
