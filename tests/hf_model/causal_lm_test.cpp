@@ -3,12 +3,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -18,6 +20,8 @@
 #include "mdist/error.h"
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/config.h"
+#include "mdist/hf/pretrained.h"
+#include "mdist/hf/safetensors.h"
 #include "mdist/nn/hooks.h"
 
 namespace {
@@ -286,10 +290,28 @@ TEST_P(MoeParity, FusedExpertLayoutLoadsTheSameModel) {
   weights.insert(fused.begin(), fused.end());
   CausalLM from_fused(model->config);
   mdist::hf::load_state_dict(from_fused, weights);
-  for (const auto& item : model->named_parameters()) {
-    EXPECT_TRUE(torch::equal(item.value(), from_fused->named_parameters()[item.key()]))
-        << item.key();
-  }
+  const auto same_as_model = [&](CausalLM& other) {
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_TRUE(torch::equal(item.value(), other->named_parameters()[item.key()])) << item.key();
+    }
+  };
+  same_as_model(from_fused);
+
+  // The same as a checkpoint directory (sharded safetensors): load_pretrained, and
+  // load_checkpoint_sharded reading each expert's rows of the fused tensors.
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("mdist-fused-" + std::to_string(::getpid()) + GetParam());
+  std::filesystem::remove_all(dir);
+  mdist::hf::save_checkpoint(dir, weights, 16 << 10);
+  mdist::hf::write_file_atomically(dir / "config.json",
+                                   read_text(fixture_dir(GetParam()) + "/config.json"));
+  CausalLM pretrained = mdist::hf::load_pretrained(dir);
+  same_as_model(pretrained);
+  torch::manual_seed(3);
+  CausalLM by_rows(model->config);
+  mdist::hf::load_checkpoint_sharded(*by_rows, dir);
+  same_as_model(by_rows);
+  std::filesystem::remove_all(dir);
   // A fused tensor of the wrong shape is named.
   auto bad = weights;
   std::string key;

@@ -202,4 +202,18 @@ void load_state_dict(CausalLM& model, const std::map<std::string, at::Tensor>& t
 std::map<std::string, at::Tensor> unfuse_experts(const LlamaConfig& config,
                                                  std::map<std::string, at::Tensor> tensors);
 
+// One of CausalLM's per-expert parameters inside a fused tensor of transformers 5's layout:
+// rows [first_row, first_row + rows) of fused[expert], or (expert = -1: Mixtral's renamed
+// router) the whole tensor.
+struct ExpertSlice {
+  std::string name;  // the parameter's name
+  int64_t expert;
+  int64_t first_row;
+  int64_t rows;
+};
+// The parameters a fused checkpoint key of `shape` holds (unfuse_experts' mapping); empty for
+// any other key or a dense config. Throws Error naming a fused key whose shape does not fit.
+std::vector<ExpertSlice> expert_slices(const LlamaConfig& config, const std::string& key,
+                                       c10::IntArrayRef shape);
+
 }  // namespace mdist::hf
