@@ -171,6 +171,12 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(const LlamaConfig& c, c10::Device device)
     experts.emplace_back(c.hidden_size, m.moe_intermediate_size, m.mixtral_names, device);
     experts_list->push_back(experts.back());
   }
+  if (m.shared_expert_intermediate_size > 0) {
+    shared_expert = register_module(
+        "shared_expert", MLP(c.hidden_size, m.shared_expert_intermediate_size, false, device));
+    shared_expert_gate =
+        register_module("shared_expert_gate", linear(c.hidden_size, 1, false, device));
+  }
 }
 
 at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
@@ -197,6 +203,10 @@ at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
         mdist::nn::call(experts[static_cast<std::size_t>(e)], tokens.index_select(0, token));
     const at::Tensor scaled = y * weights.index({token, slot}).unsqueeze(-1);
     out = out.index_add(0, token, scaled.to(out.scalar_type()));
+  }
+  if (shared_expert) {
+    out = out + torch::sigmoid(mdist::nn::call(shared_expert_gate, tokens)) *
+                    mdist::nn::call(shared_expert, tokens);
   }
   return out.view(shape);
 }

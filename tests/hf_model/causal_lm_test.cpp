@@ -234,7 +234,7 @@ TEST(ParityFixtures, Bfloat16ForwardStaysCloseToFloat32) {
 
 INSTANTIATE_TEST_SUITE_P(Architectures, Parity,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                           "qwen3_moe_norm", "mixtral"));
+                                           "qwen3_moe_norm", "qwen2_moe", "mixtral"));
 
 // --- Mixtures of experts -----------------------------------------------------------------
 
@@ -328,7 +328,7 @@ TEST_P(MoeParity, FusedExpertLayoutLoadsTheSameModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Architectures, MoeParity,
-                         ::testing::Values("qwen3_moe", "qwen3_moe_norm", "mixtral"));
+                         ::testing::Values("qwen3_moe", "qwen3_moe_norm", "qwen2_moe", "mixtral"));
 
 // bf16 weights with every router kept in fp32 (routing in fp32), as transformers run the same
 // way; the same f16-exact weights, so the difference is only of the order of bf16 rounding.
@@ -670,6 +670,18 @@ TEST(MoeConfig, KeysDefaultsAndValidation) {
   EXPECT_TRUE(m.moe->norm_topk_prob);
   EXPECT_FALSE(m.sliding_window);
   EXPECT_TRUE(m.sparse_layer(0) && m.sparse_layer(1));
+
+  const LlamaConfig q2 = LlamaConfig::from_json(
+      R"({"model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 48,
+          "num_hidden_layers": 2, "num_attention_heads": 16, "vocab_size": 40})");
+  EXPECT_EQ(q2.architecture, "Qwen2MoeForCausalLM");
+  EXPECT_EQ(q2.num_key_value_heads, 16);  // Qwen2MoeConfig's defaults
+  EXPECT_EQ(q2.moe->num_experts, 60);
+  EXPECT_EQ(q2.moe->num_experts_per_tok, 4);
+  EXPECT_EQ(q2.moe->moe_intermediate_size, 1408);
+  EXPECT_EQ(q2.moe->shared_expert_intermediate_size, 5632);
+  EXPECT_TRUE(q2.qkv_bias);
+  EXPECT_FALSE(q2.o_bias || q2.qk_norm);
 
   EXPECT_THAT(error_of([&] {
                 LlamaConfig::from_json(qwen + R"(, "num_experts": 4, "num_experts_per_tok": 5})");

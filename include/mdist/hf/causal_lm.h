@@ -10,6 +10,8 @@
 //   model.layers.N.mlp.{gate,up,down}_proj.weight              dense layers
 //   model.layers.N.mlp.gate.weight                             Qwen3-MoE sparse layers: router
 //   model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight      and experts
+//   model.layers.N.mlp.shared_expert.{gate,up,down}_proj.weight Qwen2-MoE: shared expert
+//   model.layers.N.mlp.shared_expert_gate.weight                 and its gate [1, hidden]
 //   model.layers.N.block_sparse_moe.gate.weight                Mixtral: router
 //   model.layers.N.block_sparse_moe.experts.E.w{1,3,2}.weight    and experts (gate, up, down)
 //   model.layers.N.{input,post_attention}_layernorm.weight
@@ -99,6 +101,9 @@ struct SparseMoeBlockImpl : torch::nn::Module {
   torch::nn::Linear gate{nullptr};  // the router: hidden -> num_experts, no bias
   torch::nn::ModuleList experts_list{nullptr};
   std::vector<MLP> experts;  // experts_list, typed
+  // Qwen2-MoE: run on every token, added times sigmoid(shared_expert_gate(x)); else null.
+  MLP shared_expert{nullptr};
+  torch::nn::Linear shared_expert_gate{nullptr};
   int64_t top_k;
   bool norm_topk_prob;
   // Qwen3-MoE casts the top-k probabilities to the router logits' dtype; Mixtral keeps fp32.
