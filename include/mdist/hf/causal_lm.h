@@ -93,7 +93,27 @@ struct MLPImpl : torch::nn::Module {  // SwiGLU
 };
 TORCH_MODULE(MLP);
 
-// Qwen3-MoE's and Mixtral's sparse MoE block: router `gate` and experts (MoeConfig).
+// Qwen3-MoE's, Qwen2-MoE's and Mixtral's sparse MoE block: router `gate` and experts
+// (MoeConfig).
+//
+// Design notes for expert parallelism (not implemented; a later task):
+// - Layout: an expert-parallel group of P ranks (a new dimension of ParallelState, carved out
+//   of data parallelism as Megatron does: dp = ep * edp) holds experts [r E/P, (r+1) E/P) on
+//   rank r; routers, attention and dense layers stay data parallel over the whole dp group.
+//   The experts would be fully_shard'ed over the expert-data-parallel group only (their
+//   gradients average over edp, not dp), so fsdp2_wrap needs a per-module group.
+// - Forward: route locally as now; sort (token, slot) pairs by expert; all_to_all the counts,
+//   then the token rows (variable splits: c10d alltoall_base with split sizes); run the local
+//   experts on contiguous runs (one matmul per expert, or a grouped GEMM); all_to_all back;
+//   combine with the top-k weights in the same expert-ascending order as now, so that results
+//   stay equal to the unsplit model. Backward: autograd through a differentiable all_to_all
+//   (an autograd::Function whose backward is the reverse all_to_all).
+// - Names and checkpoints: parameters keep their per-expert names (experts.N with the global N),
+//   so save_pretrained gathers over the ep group like the tensor-parallel plan does, and
+//   load_checkpoint_sharded reads only the local experts' tensors (or rows of fused ones).
+// - Aux loss: the load-balancing statistics are per rank (as transformers under DDP); a
+//   global variant would all_reduce the expert counts and probability sums over dp first.
+// - Capacity: none (dropless), as transformers; a capacity factor would change the results.
 struct SparseMoeBlockImpl : torch::nn::Module {
   SparseMoeBlockImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
   // x [B, T, hidden] -> [B, T, hidden]; keeps this call's router logits in router_logits.
