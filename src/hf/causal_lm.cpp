@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numbers>
 #include <sstream>
+#include <string_view>
 #include <utility>
 
 #include "mdist/error.h"
@@ -170,6 +171,12 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(const LlamaConfig& c, c10::Device device)
     experts.emplace_back(c.hidden_size, m.moe_intermediate_size, m.mixtral_names, device);
     experts_list->push_back(experts.back());
   }
+  if (m.shared_expert_intermediate_size > 0) {
+    shared_expert = register_module(
+        "shared_expert", MLP(c.hidden_size, m.shared_expert_intermediate_size, false, device));
+    shared_expert_gate =
+        register_module("shared_expert_gate", linear(c.hidden_size, 1, false, device));
+  }
 }
 
 at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
@@ -196,6 +203,10 @@ at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
         mdist::nn::call(experts[static_cast<std::size_t>(e)], tokens.index_select(0, token));
     const at::Tensor scaled = y * weights.index({token, slot}).unsqueeze(-1);
     out = out.index_add(0, token, scaled.to(out.scalar_type()));
+  }
+  if (shared_expert) {
+    out = out + torch::sigmoid(mdist::nn::call(shared_expert_gate, tokens)) *
+                    mdist::nn::call(shared_expert, tokens);
   }
   return out.view(shape);
 }
@@ -415,9 +426,9 @@ void load_state_dict(CausalLM& model, const std::map<std::string, at::Tensor>& t
   load_state_dict(*model, unfuse_experts(model->config, tensors));
 }
 
-std::map<std::string, at::Tensor> unfuse_experts(const LlamaConfig& config,
-                                                 std::map<std::string, at::Tensor> tensors) {
-  if (!config.moe) return tensors;
+std::vector<ExpertSlice> expert_slices(const LlamaConfig& config, const std::string& key,
+                                       c10::IntArrayRef shape) {
+  if (!config.moe) return {};
   const MoeConfig& m = *config.moe;
   const int64_t experts = m.num_experts, inter = m.moe_intermediate_size;
   const int64_t hidden = config.hidden_size;
@@ -432,33 +443,44 @@ std::map<std::string, at::Tensor> unfuse_experts(const LlamaConfig& config,
     return block(prefix) + ".experts." + std::to_string(e) + "." +
            (m.mixtral_names ? kMixtral : kQwen)[which] + ".weight";
   };
-  const auto check = [&](const std::string& key, const at::Tensor& t,
-                         std::vector<int64_t> expected) {
-    if (t.sizes() != c10::IntArrayRef(expected)) {
-      throw Error("mdist::hf::unfuse_experts: '" + key + "' is " + shape_of(t) + ", but " +
-                  config.architecture + " with these experts needs " +
-                  shape_of(at::empty(expected, at::TensorOptions().device(c10::kMeta))));
+  const auto check = [&](std::vector<int64_t> expected) {
+    if (shape != c10::IntArrayRef(expected)) {
+      throw Error("mdist::hf: '" + key + "' is " + shape_of(at::empty(shape, c10::kMeta)) +
+                  ", but " + config.architecture + " with these experts needs " +
+                  shape_of(at::empty(expected, c10::kMeta)));
     }
   };
+  constexpr std::string_view kGateUp = ".experts.gate_up_proj", kDown = ".experts.down_proj",
+                             kRouter = ".mlp.gate.weight";
+  std::vector<ExpertSlice> slices;
+  if (key.ends_with(kGateUp)) {
+    check({experts, 2 * inter, hidden});
+    const std::string prefix = key.substr(0, key.size() - kGateUp.size());
+    for (int64_t e = 0; e < experts; ++e) {
+      slices.push_back({expert_key(prefix, e, 0), e, 0, inter});  // gate first, as transformers
+      slices.push_back({expert_key(prefix, e, 1), e, inter, inter});
+    }
+  } else if (key.ends_with(kDown)) {
+    check({experts, hidden, inter});
+    const std::string prefix = key.substr(0, key.size() - kDown.size());
+    for (int64_t e = 0; e < experts; ++e)
+      slices.push_back({expert_key(prefix, e, 2), e, 0, hidden});
+  } else if (m.mixtral_names && key.ends_with(kRouter)) {
+    slices.push_back({block(key.substr(0, key.size() - kRouter.size() + 4)) + ".gate.weight", -1, 0,
+                      shape.empty() ? 0 : shape[0]});
+  }
+  return slices;
+}
+
+std::map<std::string, at::Tensor> unfuse_experts(const LlamaConfig& config,
+                                                 std::map<std::string, at::Tensor> tensors) {
+  if (!config.moe) return tensors;
   std::map<std::string, at::Tensor> out;
   for (auto& [key, t] : tensors) {
-    const auto dot = key.rfind('.');
-    const std::string prefix = key.substr(0, dot == std::string::npos ? 0 : dot);
-    if (key.ends_with(".experts.gate_up_proj")) {
-      const std::string p = prefix.substr(0, prefix.size() - 8);  // without ".experts"
-      check(key, t, {experts, 2 * inter, hidden});
-      for (int64_t e = 0; e < experts; ++e) {
-        out[expert_key(p, e, 0)] = t[e].slice(0, 0, inter);
-        out[expert_key(p, e, 1)] = t[e].slice(0, inter);
-      }
-    } else if (key.ends_with(".experts.down_proj")) {
-      const std::string p = prefix.substr(0, prefix.size() - 8);
-      check(key, t, {experts, hidden, inter});
-      for (int64_t e = 0; e < experts; ++e) out[expert_key(p, e, 2)] = t[e];
-    } else if (m.mixtral_names && key.ends_with(".mlp.gate.weight")) {
-      out[block(key.substr(0, key.size() - 12)) + ".gate.weight"] = t;
-    } else {
-      out[key] = t;
+    const auto slices = expert_slices(config, key, t.sizes());
+    if (slices.empty()) out[key] = t;
+    for (const auto& s : slices) {
+      out[s.name] = s.expert < 0 ? t : t[s.expert].slice(0, s.first_row, s.first_row + s.rows);
     }
   }
   return out;

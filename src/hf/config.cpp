@@ -45,11 +45,12 @@ T optional_as(const Json& j, const char* key, T fallback) {
 
 constexpr const char* kSupported =
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-    "Qwen3MoeForCausalLM, MixtralForCausalLM";
+    "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM";
 
 bool supported(const std::string& architecture) {
-  for (const char* name : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}) {
+  for (const char* name :
+       {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"}) {
     if (architecture == name) return true;
   }
   return false;
@@ -69,6 +70,7 @@ std::string architecture_of(const Json& j, std::vector<std::string>& architectur
   if (model_type == "qwen2") return "Qwen2ForCausalLM";
   if (model_type == "qwen3") return "Qwen3ForCausalLM";
   if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
+  if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
   if (model_type == "mixtral") return "MixtralForCausalLM";
   fail("unsupported model_type '" + model_type + "' (supported architectures: " + kSupported + ")");
 }
@@ -113,10 +115,21 @@ MoeConfig parse_moe(const Json& j, const LlamaConfig& c) {
     if (optional_as<double>(j, "router_jitter_noise", 0.0) != 0.0) {
       fail("router_jitter_noise other than 0 is not supported");
     }
+  } else if (c.architecture == "Qwen2MoeForCausalLM") {  // Qwen2MoeConfig's defaults
+    m.num_experts = optional_as<int64_t>(j, "num_experts", 60);
+    m.num_experts_per_tok = optional_as<int64_t>(j, "num_experts_per_tok", 4);
+    m.moe_intermediate_size = optional_as<int64_t>(j, "moe_intermediate_size", 1408);
+    m.shared_expert_intermediate_size =
+        optional_as<int64_t>(j, "shared_expert_intermediate_size", 5632);
+    if (m.shared_expert_intermediate_size <= 0) {
+      fail("shared_expert_intermediate_size must be positive");
+    }
   } else {
     m.num_experts = optional_as<int64_t>(j, "num_experts", local_experts);
     m.num_experts_per_tok = optional_as<int64_t>(j, "num_experts_per_tok", 8);
     m.moe_intermediate_size = optional_as<int64_t>(j, "moe_intermediate_size", 768);
+  }
+  if (!mixtral) {
     m.norm_topk_prob = optional_as<bool>(j, "norm_topk_prob", false);
     m.decoder_sparse_step = optional_as<int64_t>(j, "decoder_sparse_step", 1);
     m.mlp_only_layers = optional_as<std::vector<int64_t>>(j, "mlp_only_layers", {});
@@ -172,10 +185,12 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   // config.json means that class's default, not one shared value).
   const bool qwen3 =
       c.architecture == "Qwen3ForCausalLM" || c.architecture == "Qwen3MoeForCausalLM";
-  const bool qwen = qwen3 || c.architecture == "Qwen2ForCausalLM";
+  const bool qwen2_moe = c.architecture == "Qwen2MoeForCausalLM";
+  const bool qwen = qwen3 || qwen2_moe || c.architecture == "Qwen2ForCausalLM";
   const bool mixtral = c.architecture == "MixtralForCausalLM";
   const bool mistral = mixtral || c.architecture == "MistralForCausalLM";
   const int64_t default_kv_heads = c.architecture == "Qwen3MoeForCausalLM" ? 4
+                                   : qwen2_moe                             ? 16
                                    : qwen                                  ? 32
                                    : mistral                               ? 8
                                                                            : c.num_attention_heads;
@@ -244,6 +259,8 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
     c.mlp_bias = optional_as<bool>(j, "mlp_bias", false);
   } else if (c.architecture == "Qwen2ForCausalLM") {
     c.qkv_bias = true;  // Qwen2 configs carry no attention_bias: q/k/v always have one
+  } else if (qwen2_moe) {
+    c.qkv_bias = optional_as<bool>(j, "qkv_bias", true);  // o_proj never has one
   } else if (qwen3) {
     c.qkv_bias = c.o_bias = attention_bias;
     c.qk_norm = true;
@@ -266,7 +283,7 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   } else if (optional_as<bool>(j, "use_sliding_window", false)) {
     fail("use_sliding_window=true is not supported for " + c.architecture);
   }
-  if (c.architecture == "Qwen3MoeForCausalLM" || mixtral) c.moe = parse_moe(j, c);
+  if (c.architecture == "Qwen3MoeForCausalLM" || qwen2_moe || mixtral) c.moe = parse_moe(j, c);
   return c;
 }
 
@@ -325,6 +342,9 @@ std::string LlamaConfig::to_json() const {
       j["norm_topk_prob"] = moe->norm_topk_prob;
       j["decoder_sparse_step"] = moe->decoder_sparse_step;
       j["mlp_only_layers"] = moe->mlp_only_layers;
+    }
+    if (moe->shared_expert_intermediate_size > 0) {
+      j["shared_expert_intermediate_size"] = moe->shared_expert_intermediate_size;
     }
     j["router_aux_loss_coef"] = moe->router_aux_loss_coef;
     j["output_router_logits"] = moe->output_router_logits;

@@ -35,6 +35,28 @@ std::string first_of(const std::vector<std::string>& items) {
   return text;
 }
 
+// A mixture of experts' parameters held in transformers 5's fused tensors, by parameter name
+// (hf::expert_slices), with the fused key; empty for a dense model or per-expert checkpoint.
+struct FusedParam {
+  std::string key;
+  ExpertSlice slice;
+  std::vector<int64_t> shape;  // the parameter's
+};
+std::map<std::string, FusedParam> fused_params(const LlamaConfig& config,
+                                               const SafetensorsCheckpoint& checkpoint) {
+  std::map<std::string, FusedParam> fused;
+  if (!config.moe) return fused;
+  for (const auto& key : checkpoint.names()) {
+    const auto& shape = checkpoint.info(key).shape;
+    for (const auto& slice : expert_slices(config, key, shape)) {
+      std::vector<int64_t> own = shape;
+      if (slice.expert >= 0) own = {slice.rows, shape.back()};
+      fused[slice.name] = {key, slice, own};
+    }
+  }
+  return fused;
+}
+
 }  // namespace
 
 std::vector<std::string> check_checkpoint(const LlamaConfig& config,
@@ -42,14 +64,20 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
   // The model's own names and full shapes, from a model on the meta device (no memory).
   const CausalLM meta(config, c10::kMeta);
   const auto params = meta->named_parameters();
+  const auto fused = fused_params(config, checkpoint);
+  std::set<std::string> fused_keys;
+  for (const auto& [name, f] : fused) fused_keys.insert(f.key);
   std::vector<std::string> missing, unexpected;
   for (const auto& item : params) {
     const std::string& name = item.key();
-    if (!checkpoint.contains(name)) {
+    const auto in_fused = fused.find(name);
+    if (!checkpoint.contains(name) && in_fused == fused.end()) {
       missing.push_back(name);
       continue;
     }
-    const TensorInfo& info = checkpoint.info(name);
+    TensorInfo info =
+        checkpoint.contains(name) ? checkpoint.info(name) : checkpoint.info(in_fused->second.key);
+    if (!checkpoint.contains(name)) info.shape = in_fused->second.shape;
     if (!c10::IntArrayRef(info.shape).equals(item.value().sizes())) {
       throw Error("size mismatch for '" + name + "': copying a param with shape " +
                   shape_text(info.shape) + " from checkpoint, the shape in current model is " +
@@ -67,7 +95,7 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
                 std::to_string(params.size()) + " parameters missing)");
   }
   for (const auto& name : checkpoint.names()) {
-    if (params.contains(name)) continue;
+    if (params.contains(name) || fused_keys.contains(name)) continue;
     if (name == "lm_head.weight" && config.tie_word_embeddings) {
       // A tied model's head is its embedding: a listed copy must at least fit it.
       const auto& embed = params["model.embed_tokens.weight"];
@@ -188,8 +216,33 @@ void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::pa
     }
     return keys;
   };
-  source.shape = [&](const std::string& name) { return checkpoint.info(name).shape; };
+  // A mixture of experts in transformers 5's fused layout: each expert's parameter is read
+  // from its rows of the fused tensor.
+  const auto fused = causal_lm != nullptr ? fused_params(causal_lm->config, checkpoint)
+                                          : std::map<std::string, FusedParam>{};
+  if (!fused.empty()) {
+    auto keys = source.keys;
+    source.keys = [&fused, keys] {
+      std::set<std::string> fused_keys;
+      for (const auto& [name, f] : fused) fused_keys.insert(f.key);
+      std::vector<std::string> out = keys();
+      std::erase_if(out, [&](const std::string& key) { return fused_keys.contains(key); });
+      for (const auto& [name, f] : fused) out.push_back(name);
+      return out;
+    };
+  }
+  source.shape = [&](const std::string& name) {
+    if (const auto it = fused.find(name); it != fused.end()) return it->second.shape;
+    return checkpoint.info(name).shape;
+  };
   source.read = [&](const std::string& name, int64_t first_row, int64_t rows) {
+    if (const auto it = fused.find(name); it != fused.end()) {
+      const ExpertSlice& s = it->second.slice;
+      const at::Tensor whole = s.expert < 0 ? checkpoint.tensor(it->second.key)
+                                            : checkpoint.read_rows(it->second.key, s.expert, 1)[0];
+      const at::Tensor own = whole.slice(0, s.first_row, s.first_row + s.rows);
+      return (rows < 0 ? own : own.slice(0, first_row, first_row + rows)).clone();
+    }
     if (rows < 0) return checkpoint.tensor(name);
     at::Tensor own = checkpoint.read_rows(name, first_row, rows);
     // The rows are copied out: their mapped pages need not stay resident, so a rank's memory

@@ -94,7 +94,7 @@ TEST_P(HfFsdp2Wrap, SavePretrainedThenLoadGivesTheSameModel) {
 
 INSTANTIATE_TEST_SUITE_P(Architectures, HfFsdp2Wrap,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                           "mixtral"));
+                                           "qwen2_moe", "mixtral"));
 
 // A bf16 mixture of experts whose routers stay fp32: fsdp2_wrap keeps each router whole and
 // replicated on the compute device (warning once, on rank 0), shards the rest, averages the

@@ -3,12 +3,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -18,6 +20,8 @@
 #include "mdist/error.h"
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/config.h"
+#include "mdist/hf/pretrained.h"
+#include "mdist/hf/safetensors.h"
 #include "mdist/nn/hooks.h"
 
 namespace {
@@ -230,7 +234,7 @@ TEST(ParityFixtures, Bfloat16ForwardStaysCloseToFloat32) {
 
 INSTANTIATE_TEST_SUITE_P(Architectures, Parity,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                           "qwen3_moe_norm", "mixtral"));
+                                           "qwen3_moe_norm", "qwen2_moe", "mixtral"));
 
 // --- Mixtures of experts -----------------------------------------------------------------
 
@@ -286,10 +290,28 @@ TEST_P(MoeParity, FusedExpertLayoutLoadsTheSameModel) {
   weights.insert(fused.begin(), fused.end());
   CausalLM from_fused(model->config);
   mdist::hf::load_state_dict(from_fused, weights);
-  for (const auto& item : model->named_parameters()) {
-    EXPECT_TRUE(torch::equal(item.value(), from_fused->named_parameters()[item.key()]))
-        << item.key();
-  }
+  const auto same_as_model = [&](CausalLM& other) {
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_TRUE(torch::equal(item.value(), other->named_parameters()[item.key()])) << item.key();
+    }
+  };
+  same_as_model(from_fused);
+
+  // The same as a checkpoint directory (sharded safetensors): load_pretrained, and
+  // load_checkpoint_sharded reading each expert's rows of the fused tensors.
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("mdist-fused-" + std::to_string(::getpid()) + GetParam());
+  std::filesystem::remove_all(dir);
+  mdist::hf::save_checkpoint(dir, weights, 16 << 10);
+  mdist::hf::write_file_atomically(dir / "config.json",
+                                   read_text(fixture_dir(GetParam()) + "/config.json"));
+  CausalLM pretrained = mdist::hf::load_pretrained(dir);
+  same_as_model(pretrained);
+  torch::manual_seed(3);
+  CausalLM by_rows(model->config);
+  mdist::hf::load_checkpoint_sharded(*by_rows, dir);
+  same_as_model(by_rows);
+  std::filesystem::remove_all(dir);
   // A fused tensor of the wrong shape is named.
   auto bad = weights;
   std::string key;
@@ -306,7 +328,7 @@ TEST_P(MoeParity, FusedExpertLayoutLoadsTheSameModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Architectures, MoeParity,
-                         ::testing::Values("qwen3_moe", "qwen3_moe_norm", "mixtral"));
+                         ::testing::Values("qwen3_moe", "qwen3_moe_norm", "qwen2_moe", "mixtral"));
 
 // bf16 weights with every router kept in fp32 (routing in fp32), as transformers run the same
 // way; the same f16-exact weights, so the difference is only of the order of bf16 rounding.
@@ -648,6 +670,18 @@ TEST(MoeConfig, KeysDefaultsAndValidation) {
   EXPECT_TRUE(m.moe->norm_topk_prob);
   EXPECT_FALSE(m.sliding_window);
   EXPECT_TRUE(m.sparse_layer(0) && m.sparse_layer(1));
+
+  const LlamaConfig q2 = LlamaConfig::from_json(
+      R"({"model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 48,
+          "num_hidden_layers": 2, "num_attention_heads": 16, "vocab_size": 40})");
+  EXPECT_EQ(q2.architecture, "Qwen2MoeForCausalLM");
+  EXPECT_EQ(q2.num_key_value_heads, 16);  // Qwen2MoeConfig's defaults
+  EXPECT_EQ(q2.moe->num_experts, 60);
+  EXPECT_EQ(q2.moe->num_experts_per_tok, 4);
+  EXPECT_EQ(q2.moe->moe_intermediate_size, 1408);
+  EXPECT_EQ(q2.moe->shared_expert_intermediate_size, 5632);
+  EXPECT_TRUE(q2.qkv_bias);
+  EXPECT_FALSE(q2.o_bias || q2.qk_norm);
 
   EXPECT_THAT(error_of([&] {
                 LlamaConfig::from_json(qwen + R"(, "num_experts": 4, "num_experts_per_tok": 5})");

@@ -1,7 +1,9 @@
 """Developer check (not run by CI; needs transformers): transformers loads a checkpoint that
 mdist's save_pretrained wrote, and computes the same logits mdist did.
   build/bin/save_for_transformers tests/hf_model/fixtures/llama /tmp/out
-  python tests/hf_model/check_transformers_loads.py /tmp/out"""
+  python tests/hf_model/check_transformers_loads.py /tmp/out
+Works for every fixture, the mixtures of experts included (mdist writes their published
+per-expert layout, which transformers 5 fuses on load)."""
 import sys
 
 import numpy as np

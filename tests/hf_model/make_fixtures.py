@@ -39,7 +39,8 @@ import torch
 import transformers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 HERE = pathlib.Path(__file__).resolve().parent / "fixtures"
@@ -72,6 +73,10 @@ ARCHS.update({
         QWEN3_MOE, norm_topk_prob=True, decoder_sparse_step=2)),
     "qwen3_moe_bf16": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
         QWEN3_MOE, norm_topk_prob=False, mlp_only_layers=[1])),
+    # a shared expert with its sigmoid gate, q/k/v bias; layer 1 sparse, layer 0 dense
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(
+        rope_theta=1000000.0, tie_word_embeddings=False, num_experts=4, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, norm_topk_prob=False, decoder_sparse_step=2, **MOE)),
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(
         rope_theta=1000000.0, num_local_experts=4, tie_word_embeddings=False, **MOE)),
 })

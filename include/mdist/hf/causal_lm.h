@@ -10,6 +10,8 @@
 //   model.layers.N.mlp.{gate,up,down}_proj.weight              dense layers
 //   model.layers.N.mlp.gate.weight                             Qwen3-MoE sparse layers: router
 //   model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight      and experts
+//   model.layers.N.mlp.shared_expert.{gate,up,down}_proj.weight Qwen2-MoE: shared expert
+//   model.layers.N.mlp.shared_expert_gate.weight                 and its gate [1, hidden]
 //   model.layers.N.block_sparse_moe.gate.weight                Mixtral: router
 //   model.layers.N.block_sparse_moe.experts.E.w{1,3,2}.weight    and experts (gate, up, down)
 //   model.layers.N.{input,post_attention}_layernorm.weight
@@ -91,7 +93,27 @@ struct MLPImpl : torch::nn::Module {  // SwiGLU
 };
 TORCH_MODULE(MLP);
 
-// Qwen3-MoE's and Mixtral's sparse MoE block: router `gate` and experts (MoeConfig).
+// Qwen3-MoE's, Qwen2-MoE's and Mixtral's sparse MoE block: router `gate` and experts
+// (MoeConfig).
+//
+// Design notes for expert parallelism (not implemented; a later task):
+// - Layout: an expert-parallel group of P ranks (a new dimension of ParallelState, carved out
+//   of data parallelism as Megatron does: dp = ep * edp) holds experts [r E/P, (r+1) E/P) on
+//   rank r; routers, attention and dense layers stay data parallel over the whole dp group.
+//   The experts would be fully_shard'ed over the expert-data-parallel group only (their
+//   gradients average over edp, not dp), so fsdp2_wrap needs a per-module group.
+// - Forward: route locally as now; sort (token, slot) pairs by expert; all_to_all the counts,
+//   then the token rows (variable splits: c10d alltoall_base with split sizes); run the local
+//   experts on contiguous runs (one matmul per expert, or a grouped GEMM); all_to_all back;
+//   combine with the top-k weights in the same expert-ascending order as now, so that results
+//   stay equal to the unsplit model. Backward: autograd through a differentiable all_to_all
+//   (an autograd::Function whose backward is the reverse all_to_all).
+// - Names and checkpoints: parameters keep their per-expert names (experts.N with the global N),
+//   so save_pretrained gathers over the ep group like the tensor-parallel plan does, and
+//   load_checkpoint_sharded reads only the local experts' tensors (or rows of fused ones).
+// - Aux loss: the load-balancing statistics are per rank (as transformers under DDP); a
+//   global variant would all_reduce the expert counts and probability sums over dp first.
+// - Capacity: none (dropless), as transformers; a capacity factor would change the results.
 struct SparseMoeBlockImpl : torch::nn::Module {
   SparseMoeBlockImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
   // x [B, T, hidden] -> [B, T, hidden]; keeps this call's router logits in router_logits.
@@ -99,6 +121,9 @@ struct SparseMoeBlockImpl : torch::nn::Module {
   torch::nn::Linear gate{nullptr};  // the router: hidden -> num_experts, no bias
   torch::nn::ModuleList experts_list{nullptr};
   std::vector<MLP> experts;  // experts_list, typed
+  // Qwen2-MoE: run on every token, added times sigmoid(shared_expert_gate(x)); else null.
+  MLP shared_expert{nullptr};
+  torch::nn::Linear shared_expert_gate{nullptr};
   int64_t top_k;
   bool norm_topk_prob;
   // Qwen3-MoE casts the top-k probabilities to the router logits' dtype; Mixtral keeps fp32.
@@ -201,5 +226,19 @@ void load_state_dict(CausalLM& model, const std::map<std::string, at::Tensor>& t
 // map as is. Throws Error naming a fused tensor whose shape does not fit the config.
 std::map<std::string, at::Tensor> unfuse_experts(const LlamaConfig& config,
                                                  std::map<std::string, at::Tensor> tensors);
+
+// One of CausalLM's per-expert parameters inside a fused tensor of transformers 5's layout:
+// rows [first_row, first_row + rows) of fused[expert], or (expert = -1: Mixtral's renamed
+// router) the whole tensor.
+struct ExpertSlice {
+  std::string name;  // the parameter's name
+  int64_t expert;
+  int64_t first_row;
+  int64_t rows;
+};
+// The parameters a fused checkpoint key of `shape` holds (unfuse_experts' mapping); empty for
+// any other key or a dense config. Throws Error naming a fused key whose shape does not fit.
+std::vector<ExpertSlice> expert_slices(const LlamaConfig& config, const std::string& key,
+                                       c10::IntArrayRef shape);
 
 }  // namespace mdist::hf

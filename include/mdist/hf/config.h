@@ -1,8 +1,9 @@
 #pragma once
 // The configuration of a Hugging Face Llama-family causal LM (config.json), for
 // mdist::hf::CausalLM. Supported architectures: LlamaForCausalLM, MistralForCausalLM,
-// Qwen2ForCausalLM, Qwen3ForCausalLM and the mixtures of experts Qwen3MoeForCausalLM and
-// MixtralForCausalLM, whose decoders differ only in what this struct holds.
+// Qwen2ForCausalLM, Qwen3ForCausalLM and the mixtures of experts Qwen3MoeForCausalLM,
+// Qwen2MoeForCausalLM and MixtralForCausalLM, whose decoders differ only in what this struct
+// holds.
 //
 // Both config.json styles are read: transformers 4 (top-level "rope_theta" and
 // "rope_scaling") and transformers 5 ("rope_parameters" holding rope_theta and rope_type).
@@ -45,6 +46,9 @@ struct MoeConfig {
   std::vector<int64_t> mlp_only_layers;
   double router_aux_loss_coef = 0.001;  // weight of the load-balancing loss in training
   bool output_router_logits = false;    // transformers adds the aux loss to its loss only then
+  // Qwen2-MoE: a shared expert of this intermediate size, run on every token and added times
+  // sigmoid(shared_expert_gate(x)); 0: none.
+  int64_t shared_expert_intermediate_size = 0;
   // Parameter names: Mixtral's "block_sparse_moe" with experts w1 (gate), w3 (up), w2 (down);
   // Qwen3-MoE's "mlp" with gate_proj, up_proj, down_proj.
   bool mixtral_names = false;
