@@ -41,14 +41,17 @@ at::Tensor pack_shards(const FsdpParamGroup& unit, c10::ScalarType dtype) {
 
 // Sums a [world, n] buffer over the group into this rank's row, then averages: [n].
 at::Tensor reduce_scatter_average(const FsdpParamGroup& unit, const at::Tensor& input) {
-  if (unit.world == 1) return input.select(0, 0);
+  const double divisor = unit.options.gradient_divide_factor.value_or(unit.world);
+  if (unit.world == 1) {
+    return divisor == 1.0 ? input.select(0, 0) : input.select(0, 0).div(divisor);
+  }
   at::Tensor reduced = at::empty({input.size(1)}, input.options());
   at::Tensor flat_input = input.view({-1});
   c10d::ReduceScatterOptions rs;
   rs.reduceOp = c10d::ReduceOp::SUM;
   mdist::wait(unit_group(unit)->reduce_scatter_single(reduced, flat_input, rs), unit.options.group,
               "fully_shard reduce-scatter");
-  return reduced.div_(unit.world);
+  return reduced.div_(divisor);
 }
 
 }  // namespace
@@ -163,8 +166,9 @@ std::vector<at::Tensor> all_reduce_gradients(const FsdpParamGroup& unit,
       options.reduceOp = c10d::ReduceOp::SUM;
       mdist::wait(unit_group(unit)->allreduce(tensors, options), unit.options.group,
                   "fully_shard all-reduce of replicated gradients");
-      buffer.div_(unit.world);
     }
+    const double divisor = unit.options.gradient_divide_factor.value_or(unit.world);
+    if (divisor != 1.0) buffer.div_(divisor);
     const at::Tensor flags = buffer.narrow(0, 0, n).to(at::kCPU, at::kFloat);
     const float* const flag = flags.data_ptr<float>();
     for (int64_t k = 0; k < n; ++k) {

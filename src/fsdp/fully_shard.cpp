@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -148,6 +149,13 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
                 "managed by a nested unit)");
   }
 
+  if (options.gradient_divide_factor &&
+      !(std::isfinite(*options.gradient_divide_factor) && *options.gradient_divide_factor > 0)) {
+    throw Error("mdist: fully_shard: " + label +
+                ": gradient_divide_factor must be positive and "
+                "finite, got " +
+                std::to_string(*options.gradient_divide_factor));
+  }
   if (!options.group.is_not_used() && !options.group.is_member()) {
     // size() and rank() are -1 there (torch's convention); there is nothing to shard over.
     throw Error("mdist: fully_shard: " + label + ": this rank is not a member of " +

@@ -53,6 +53,12 @@ ParallelLayout parallel_layout(int world_size, const ParallelSizes& sizes) {
       layout.expert_model_parallel_groups.emplace_back(group.begin() + chunk * ep,
                                                        group.begin() + (chunk + 1) * ep);
     }
+    for (int position = 0; position < ep; ++position) {
+      std::vector<int> experts_dp;
+      for (int chunk = 0; chunk < dp / ep; ++chunk)
+        experts_dp.push_back(group[chunk * ep + position]);
+      layout.expert_data_parallel_groups.push_back(std::move(experts_dp));
+    }
     layout.data_parallel_groups.push_back(std::move(group));
   }
   return layout;
@@ -88,6 +94,16 @@ ParallelState make_parallel_state(const ParallelSizes& sizes) {
                        ? Group::not_used()
                        : make_groups(layout.expert_model_parallel_groups, me);
   return ParallelState(dp, tp, ep);
+}
+
+Group make_expert_data_parallel_group(const ParallelSizes& sizes) {
+  const int world_size = size();
+  const ParallelLayout layout = parallel_layout(world_size, sizes);
+  if (layout.expert_data_parallel_groups.size() == 1 &&
+      static_cast<int>(layout.expert_data_parallel_groups.front().size()) == world_size) {
+    return Group::world();
+  }
+  return make_groups(layout.expert_data_parallel_groups, rank());
 }
 
 }  // namespace mdist

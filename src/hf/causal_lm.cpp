@@ -7,6 +7,7 @@
 #include <string_view>
 #include <utility>
 
+#include "mdist/ep/dispatch.h"
 #include "mdist/error.h"
 #include "mdist/nn/hooks.h"
 #include "mdist/nn/meta.h"
@@ -160,17 +161,53 @@ at::Tensor MLPImpl::forward(const at::Tensor& x) {
                          torch::silu(mdist::nn::call(gate_proj, x)) * mdist::nn::call(up_proj, x));
 }
 
+ExpertsImpl::ExpertsImpl(const LlamaConfig& c, c10::Device device)
+    : num_experts(c.moe->num_experts) {
+  const MoeConfig& m = *c.moe;
+  for (int64_t e = 0; e < m.num_experts; ++e) {
+    local.push_back(register_module(
+        std::to_string(e), MLP(c.hidden_size, m.moe_intermediate_size, m.mixtral_names, device)));
+  }
+}
+
+ExpertsImpl::ExpertsImpl(std::vector<MLP> kept, int64_t first_expert, int64_t total,
+                         Group expert_parallel_group)
+    : first(first_expert), num_experts(total), expert_parallel(std::move(expert_parallel_group)) {
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    local.push_back(register_module(std::to_string(first + static_cast<int64_t>(i)), kept[i]));
+  }
+}
+
+at::Tensor ExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& chosen,
+                                const at::Tensor& weights) {
+  if (expert_parallel) {
+    return ep::dispatch_combine(tokens, chosen, weights, num_experts, *expert_parallel,
+                                [this](int64_t i, const at::Tensor& rows) {
+                                  return mdist::nn::call(local[static_cast<std::size_t>(i)], rows);
+                                });
+  }
+  at::Tensor out = at::zeros_like(tokens);
+  const at::Tensor slots_by_expert = chosen.t();  // [top_k, N]
+  const at::Tensor hit = std::get<0>(at::_unique(chosen.flatten(), /*sorted=*/true)).cpu();
+  for (const int64_t e :
+       std::vector<int64_t>(hit.data_ptr<int64_t>(), hit.data_ptr<int64_t>() + hit.numel())) {
+    const at::Tensor where = at::nonzero(slots_by_expert.eq(e));  // rows (slot, token)
+    const at::Tensor slot = where.select(1, 0), token = where.select(1, 1);
+    const at::Tensor y =
+        mdist::nn::call(local[static_cast<std::size_t>(e)], tokens.index_select(0, token));
+    const at::Tensor scaled = y * weights.index({token, slot}).unsqueeze(-1);
+    out = out.index_add(0, token, scaled.to(out.scalar_type()));
+  }
+  return out;
+}
+
 SparseMoeBlockImpl::SparseMoeBlockImpl(const LlamaConfig& c, c10::Device device)
     : top_k(c.moe->num_experts_per_tok),
       norm_topk_prob(c.moe->norm_topk_prob),
       probabilities_to_logits_dtype(!c.moe->mixtral_names) {
   const MoeConfig& m = *c.moe;
   gate = register_module("gate", linear(c.hidden_size, m.num_experts, false, device));
-  experts_list = register_module("experts", torch::nn::ModuleList());
-  for (int64_t e = 0; e < m.num_experts; ++e) {
-    experts.emplace_back(c.hidden_size, m.moe_intermediate_size, m.mixtral_names, device);
-    experts_list->push_back(experts.back());
-  }
+  experts = register_module("experts", Experts(c, device));
   if (m.shared_expert_intermediate_size > 0) {
     shared_expert = register_module(
         "shared_expert", MLP(c.hidden_size, m.shared_expert_intermediate_size, false, device));
@@ -189,21 +226,7 @@ at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
   if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
   if (probabilities_to_logits_dtype) weights = weights.to(router_logits.scalar_type());
 
-  // As transformers: for each chosen expert in ascending order, its tokens ordered by (top-k
-  // slot, token), output times probability in the promoted dtype, added in x's dtype. The
-  // same order of additions keeps bf16 sums identical.
-  at::Tensor out = at::zeros_like(tokens);
-  const at::Tensor slots_by_expert = chosen.t();  // [top_k, N]
-  const at::Tensor hit = std::get<0>(at::_unique(chosen.flatten(), /*sorted=*/true)).cpu();
-  for (const int64_t e :
-       std::vector<int64_t>(hit.data_ptr<int64_t>(), hit.data_ptr<int64_t>() + hit.numel())) {
-    const at::Tensor where = at::nonzero(slots_by_expert.eq(e));  // rows (slot, token)
-    const at::Tensor slot = where.select(1, 0), token = where.select(1, 1);
-    const at::Tensor y =
-        mdist::nn::call(experts[static_cast<std::size_t>(e)], tokens.index_select(0, token));
-    const at::Tensor scaled = y * weights.index({token, slot}).unsqueeze(-1);
-    out = out.index_add(0, token, scaled.to(out.scalar_type()));
-  }
+  at::Tensor out = mdist::nn::call(experts, tokens, chosen, weights);
   if (shared_expert) {
     out = out + torch::sigmoid(mdist::nn::call(shared_expert_gate, tokens)) *
                     mdist::nn::call(shared_expert, tokens);

@@ -278,6 +278,49 @@ TEST(FullyShard, ADestroyedModelFreesItsMemoryAtOnce) {
 
 using mdist::testing::error_of;
 
+// gradient_divide_factor f: the summed gradient divided by f instead of the group's size. With
+// plain SGD that is the averaged run at lr * world / f, step for step; with a group of one rank
+// too (where nothing is communicated but the division still applies), and with the replicated
+// (ignored) parameters, which are all-reduced rather than reduce-scattered.
+TEST(FullyShard, GradientDivideFactorScalesTheAveragedGradient) {
+  const double lr = 0.1, factor = 2.5 * mdist::size();
+  Mlp reference = seeded_model();
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(lr / 2.5));
+  Mlp model = seeded_model();
+  mdist::FullyShardOptions options;
+  options.gradient_divide_factor = factor;
+  options.ignored_params = {model->fc3->bias};
+  mdist::fully_shard(*model->fc1, options);
+  const mdist::FsdpHandle root = mdist::fully_shard(*model, options);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(lr));
+  for (int step = 0; step < 3; ++step) {
+    const Data all = global_batch(step), mine = local_batch(step);
+    ref_opt.zero_grad();
+    torch::mse_loss(reference->forward(all.x), all.y).backward();
+    ref_opt.step();
+    opt.zero_grad();
+    torch::mse_loss(model->forward(mine.x), mine.y).backward();
+    opt.step();
+  }
+  mdist::FsdpHandle(root).unshard();
+  mdist::fsdp_handle(*model->fc1)->unshard();
+  // The modules' own tensors hold the gathered parameters (parameters() yields the shards).
+  const std::map<std::string, at::Tensor> full = {
+      {"fc1.weight", model->fc1->weight}, {"fc1.bias", model->fc1->bias},
+      {"fc2.weight", model->fc2->weight}, {"fc2.bias", model->fc2->bias},
+      {"fc3.weight", model->fc3->weight}, {"fc3.bias", model->fc3->bias}};
+  for (const auto& p : reference->named_parameters()) {
+    EXPECT_LT(rel_diff(full.at(p.key()), p.value()), 1e-5) << p.key();
+  }
+  EXPECT_THAT(error_of([] {
+                Mlp other = seeded_model();
+                mdist::FullyShardOptions bad;
+                bad.gradient_divide_factor = 0.0;
+                mdist::fully_shard(*other, bad);
+              }),
+              HasSubstr("gradient_divide_factor must be positive and finite, got 0"));
+}
+
 TEST(FullyShard, BadInput) {
   Mlp model = seeded_model();
   mdist::fully_shard(*model->fc1);

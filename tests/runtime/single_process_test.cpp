@@ -187,9 +187,12 @@ TEST(ParallelLayout, MegatronOrder) {
   EXPECT_EQ(layout.tensor_parallel_groups, (G{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
   EXPECT_EQ(layout.data_parallel_groups, (G{{0, 2, 4, 6}, {1, 3, 5, 7}}));
   EXPECT_EQ(layout.expert_model_parallel_groups, (G{{0, 2}, {4, 6}, {1, 3}, {5, 7}}));
+  // Same position in their expert-parallel chunks of one data-parallel group.
+  EXPECT_EQ(layout.expert_data_parallel_groups, (G{{0, 4}, {2, 6}, {1, 5}, {3, 7}}));
   const auto plain = mdist::parallel_layout(3, {});
   EXPECT_EQ(plain.data_parallel_groups, (G{{0, 1, 2}}));
   EXPECT_EQ(plain.tensor_parallel_groups, (G{{0}, {1}, {2}}));
+  EXPECT_EQ(plain.expert_data_parallel_groups, (G{{0, 1, 2}}));
 }
 
 TEST(ParallelLayout, SizesThatDoNotFit) {

@@ -54,6 +54,12 @@ struct FullyShardOptions {
   // Parameters (by identity) that stay whole and replicated on every rank; their gradients
   // are averaged over the group by the unit whose subtree they are found in.
   std::vector<at::Tensor> ignored_params;
+  // Gradients are summed over the group and divided by this; empty: the group's size (an
+  // average), as FSDP2. Expert parameters sharded over an expert-data-parallel group of dp / ep
+  // ranks take dp (PyTorch: FSDPModule.set_gradient_divide_factor): the expert-parallel
+  // all-to-all has already summed the gradients of the ep ranks' tokens. Applied on a group of
+  // one rank too. Must be positive and finite.
+  std::optional<double> gradient_divide_factor;
 };
 
 namespace detail {

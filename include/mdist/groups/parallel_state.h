@@ -43,6 +43,10 @@ struct ParallelLayout {
   std::vector<std::vector<int>> tensor_parallel_groups;
   std::vector<std::vector<int>> data_parallel_groups;
   std::vector<std::vector<int>> expert_model_parallel_groups;
+  // Beyond the spec: for each rank, the ranks of its data-parallel group at the same position
+  // in their expert-parallel chunks (dp / ep ranks): the group expert parameters are
+  // FSDP-sharded over while every other parameter is sharded over the data-parallel group.
+  std::vector<std::vector<int>> expert_data_parallel_groups;
 };
 ParallelLayout parallel_layout(int world_size, const ParallelSizes& sizes);
 
@@ -50,5 +54,9 @@ ParallelLayout parallel_layout(int world_size, const ParallelSizes& sizes);
 // returns this rank's ParallelState. A size of 1 leaves that parallelism "not used"; a data
 // parallel group spanning the whole world is the world itself.
 ParallelState make_parallel_state(const ParallelSizes& sizes);
+
+// Builds the expert-data-parallel groups of the layout (collective, like make_parallel_state)
+// and returns this rank's; with expert_model_parallel 1 it is the data-parallel group.
+Group make_expert_data_parallel_group(const ParallelSizes& sizes);
 
 }  // namespace mdist

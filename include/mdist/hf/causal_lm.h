@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "mdist/hf/config.h"
+#include "mdist/runtime/group.h"
 
 namespace mdist::hf {
 
@@ -93,34 +94,36 @@ struct MLPImpl : torch::nn::Module {  // SwiGLU
 };
 TORCH_MODULE(MLP);
 
+// The routed experts of a sparse MoE block, registered under their global indices
+// ("experts.N.gate_proj.weight"): all of them, or with expert parallelism
+// (hf::parallelize_experts) only the E / ep of this rank, the rest never held. The block calls
+// it once per forward through mdist::nn::call, also when no token chose a local expert, so an
+// FSDP unit around it (hf::shard_experts) gathers and reduces on every rank alike.
+struct ExpertsImpl : torch::nn::Module {
+  ExpertsImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
+  // Experts [first, first + local.size()) of num_experts, split over `expert_parallel`.
+  ExpertsImpl(std::vector<MLP> local, int64_t first, int64_t num_experts, Group expert_parallel);
+  // tokens [N, hidden], chosen and weights [N, top_k] -> [N, hidden]: the sum over the top-k
+  // slots of weight x expert(token). Without expert parallelism as transformers: each chosen
+  // expert in ascending order, its tokens by (slot, token), added in the tokens' dtype (the
+  // same order keeps bf16 sums identical). With it, tokens go to their experts' ranks and
+  // back (mdist::ep::dispatch_combine), summed per token in expert order.
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& chosen, const at::Tensor& weights);
+  std::vector<MLP> local;  // local[i] is expert first + i
+  int64_t first = 0;
+  int64_t num_experts = 0;
+  std::optional<Group> expert_parallel;  // empty: every expert is here
+};
+TORCH_MODULE(Experts);
+
 // Qwen3-MoE's, Qwen2-MoE's and Mixtral's sparse MoE block: router `gate` and experts
-// (MoeConfig).
-//
-// Design notes for expert parallelism (not implemented; a later task):
-// - Layout: an expert-parallel group of P ranks (a new dimension of ParallelState, carved out
-//   of data parallelism as Megatron does: dp = ep * edp) holds experts [r E/P, (r+1) E/P) on
-//   rank r; routers, attention and dense layers stay data parallel over the whole dp group.
-//   The experts would be fully_shard'ed over the expert-data-parallel group only (their
-//   gradients average over edp, not dp), so fsdp2_wrap needs a per-module group.
-// - Forward: route locally as now; sort (token, slot) pairs by expert; all_to_all the counts,
-//   then the token rows (variable splits: c10d alltoall_base with split sizes); run the local
-//   experts on contiguous runs (one matmul per expert, or a grouped GEMM); all_to_all back;
-//   combine with the top-k weights in the same expert-ascending order as now, so that results
-//   stay equal to the unsplit model. Backward: autograd through a differentiable all_to_all
-//   (an autograd::Function whose backward is the reverse all_to_all).
-// - Names and checkpoints: parameters keep their per-expert names (experts.N with the global N),
-//   so save_pretrained gathers over the ep group like the tensor-parallel plan does, and
-//   load_checkpoint_sharded reads only the local experts' tensors (or rows of fused ones).
-// - Aux loss: the load-balancing statistics are per rank (as transformers under DDP); a
-//   global variant would all_reduce the expert counts and probability sums over dp first.
-// - Capacity: none (dropless), as transformers; a capacity factor would change the results.
+// (MoeConfig). Expert parallelism: hf::parallelize_experts (mdist/hf/expert_parallel.h).
 struct SparseMoeBlockImpl : torch::nn::Module {
   SparseMoeBlockImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
   // x [B, T, hidden] -> [B, T, hidden]; keeps this call's router logits in router_logits.
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear gate{nullptr};  // the router: hidden -> num_experts, no bias
-  torch::nn::ModuleList experts_list{nullptr};
-  std::vector<MLP> experts;  // experts_list, typed
+  Experts experts{nullptr};
   // Qwen2-MoE: run on every token, added times sigmoid(shared_expert_gate(x)); else null.
   MLP shared_expert{nullptr};
   torch::nn::Linear shared_expert_gate{nullptr};

@@ -1,0 +1,89 @@
+// Expert parallelism for hf::CausalLM: which experts a rank keeps, and their FSDP units.
+#include "mdist/hf/expert_parallel.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mdist/ep/dispatch.h"
+#include "mdist/error.h"
+#include "mdist/nn/meta.h"
+#include "mdist/runtime/device.h"
+#include "mdist/runtime/runtime.h"
+
+namespace mdist::hf {
+namespace {
+
+std::vector<SparseMoeBlock> sparse_blocks(CausalLM& model, const char* op) {
+  std::vector<SparseMoeBlock> blocks;
+  for (auto& layer : model->model->decoder_layers) {
+    if (layer->moe) blocks.push_back(layer->moe);
+  }
+  if (blocks.empty()) {
+    throw Error(std::string("mdist: hf::") + op +
+                ": the model has no mixture-of-experts layer (a dense " + model->config.model_type +
+                ")");
+  }
+  return blocks;
+}
+
+}  // namespace
+
+void parallelize_experts(CausalLM& model, const Group& expert_parallel) {
+  auto blocks = sparse_blocks(model, "parallelize_experts");
+  if (is_fsdp2_model(*model)) {
+    throw Error(
+        "mdist: hf::parallelize_experts: the model is already wrapped by fully_shard; "
+        "split the experts first, then fsdp2_wrap");
+  }
+  if (model->tensor_parallel) {
+    throw Error(
+        "mdist: hf::parallelize_experts: tensor parallelism of a mixture of experts is "
+        "not supported");
+  }
+  // ParallelState's group with expert_model_parallel 1 is "not used": no expert parallelism.
+  if (expert_parallel.is_not_used()) return;
+  const int ranks = size(expert_parallel);
+  if (ranks < 0) {
+    throw Error("mdist: hf::parallelize_experts: this rank is not a member of " +
+                expert_parallel.name());
+  }
+  for (auto& block : blocks) {
+    if (block->experts->expert_parallel) {
+      throw Error("mdist: hf::parallelize_experts: the experts are already split");
+    }
+  }
+  if (ranks == 1) return;
+  for (auto& block : blocks) {
+    const Experts& all = block->experts;
+    const ep::ExpertRange mine = ep::owned_experts(all->num_experts, expert_parallel);
+    std::vector<MLP> kept(all->local.begin() + mine.first,
+                          all->local.begin() + mine.first + mine.count);
+    // The block's old container, and with it the experts of other ranks, goes here.
+    block->experts = block->replace_module(
+        "experts", Experts(std::move(kept), mine.first, all->num_experts, expert_parallel));
+  }
+}
+
+void shard_experts(CausalLM& model, const Group& expert_data_parallel, int data_parallel_size,
+                   const std::optional<MixedPrecisionPolicy>& mp_policy, bool cpu_offload) {
+  auto blocks = sparse_blocks(model, "shard_experts");
+  if (data_parallel_size < 1) {
+    throw Error("mdist: hf::shard_experts: data_parallel_size must be positive, got " +
+                std::to_string(data_parallel_size));
+  }
+  FullyShardOptions options;
+  options.group = expert_data_parallel;
+  options.reshard_after_forward = true;
+  options.gradient_divide_factor = data_parallel_size;
+  if (mp_policy) options.mp_policy = *mp_policy;
+  if (cpu_offload) options.offload_policy = CPUOffloadPolicy{};
+  // As fsdp2_wrap: a model on the meta device computes on this rank's device.
+  if (nn::has_meta_tensors(*model)) options.device = compute_device();
+  for (auto& block : blocks) {
+    if (block->experts->local.empty()) continue;
+    fully_shard(*block->experts, options);
+  }
+}
+
+}  // namespace mdist::hf

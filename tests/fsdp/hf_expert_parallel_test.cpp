@@ -1,0 +1,201 @@
+// Expert parallelism of hf::CausalLM mixtures of experts (run by mdistrun with 1-4 ranks):
+// every (dp, ep) layout the world allows gives the logits of the unsplit model, trains like one
+// process on the global batch, and holds only its own experts.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "mdist/hf/causal_lm.h"
+#include "mdist/hf/expert_parallel.h"
+#include "mdist/hf/fsdp2_wrap.h"
+#include "mdist/mdist.h"
+#include "tests/support/error_of.h"
+
+namespace {
+
+using mdist::hf::CausalLM;
+using mdist::hf::LlamaConfig;
+using ::testing::HasSubstr;
+
+LlamaConfig fixture_config(const std::string& arch, int64_t num_experts) {
+  LlamaConfig config =
+      LlamaConfig::from_file(std::string(MDIST_HF_MODEL_FIXTURES) + "/" + arch + "/config.json");
+  // 12 experts divide over 1, 2, 3, 4 and 6 ranks.
+  config.moe->num_experts = num_experts;
+  return config;
+}
+
+CausalLM seeded(const LlamaConfig& config) {
+  torch::manual_seed(17);
+  return CausalLM(config);
+}
+
+// The expert-parallel sizes this world allows for `experts` experts (ep divides the world,
+// carved out of data parallelism, and the experts).
+std::vector<int> layouts(int64_t experts) {
+  std::vector<int> eps;
+  for (int ep = 1; ep <= mdist::size(); ++ep) {
+    if (mdist::size() % ep == 0 && experts % ep == 0) eps.push_back(ep);
+  }
+  return eps;
+}
+
+struct Split {
+  mdist::ParallelState state;
+  mdist::Group expert_data_parallel;
+};
+
+Split split(CausalLM& model, int ep, bool wrap) {
+  Split s{mdist::make_parallel_state({.expert_model_parallel = ep}),
+          mdist::make_expert_data_parallel_group({.expert_model_parallel = ep})};
+  mdist::hf::parallelize_experts(model, s.state.expert_model_parallel_group.group());
+  if (wrap) {
+    mdist::hf::shard_experts(model, s.expert_data_parallel, mdist::size());
+    mdist::fsdp2_wrap(*model);
+  }
+  return s;
+}
+
+class ExpertParallel : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ExpertParallel, SameLogitsAsTheUnsplitModel) {
+  const LlamaConfig config = fixture_config(GetParam(), 12);
+  CausalLM reference = seeded(config);
+  torch::manual_seed(3);
+  const at::Tensor ids = torch::randint(0, config.vocab_size, {2, 8});
+  const at::Tensor attention_mask = torch::ones({2, 8}, torch::kLong).index_put_({1, 0}, 0);
+  at::Tensor expected, expected_aux;
+  {
+    const at::NoGradGuard no_grad;
+    expected = reference->forward(ids, attention_mask);
+    expected_aux = reference->aux_loss(attention_mask);
+  }
+  for (const int ep : layouts(config.moe->num_experts)) {
+    for (const bool wrap : {false, true}) {
+      CausalLM model = seeded(config);
+      split(model, ep, wrap);
+      // Every rank the same batch: splitting the experts must not change what one forward gives.
+      const at::NoGradGuard no_grad;
+      const at::Tensor logits = model->forward(ids, attention_mask);
+      EXPECT_LT((logits - expected).abs().max().item<double>(), 1e-5)
+          << "ep " << ep << (wrap ? " with FSDP" : "");
+      EXPECT_NEAR(model->aux_loss(attention_mask).item<double>(), expected_aux.item<double>(),
+                  1e-6);
+    }
+  }
+}
+
+// (dp, ep) = (W, ep) for each ep the world allows, each rank its share of a global batch, 4 SGD
+// steps: the losses of one process on the whole batch, and each rank's experts end as that
+// process's same experts.
+TEST_P(ExpertParallel, TrainsLikeOneProcessInEveryLayout) {
+  const LlamaConfig config = fixture_config(GetParam(), 12);
+  const int world = mdist::size(), me = mdist::rank();
+  constexpr int kSteps = 4, kGlobalBatch = 12;
+  torch::manual_seed(21);
+  std::vector<at::Tensor> batches;
+  for (int step = 0; step < kSteps; ++step) {
+    batches.push_back(torch::randint(0, config.vocab_size, {kGlobalBatch, 8}));
+  }
+  CausalLM reference = seeded(config);
+  // Plain SGD, not Adam: Adam's update hardly changes when a gradient is scaled, and the scale
+  // of the experts' gradients (summed over ep by the all-to-all, divided by dp) is what is tested.
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.5));
+  std::vector<double> ref_losses;
+  for (const auto& batch : batches) {
+    const at::Tensor loss = mdist::hf::causal_lm_loss(reference->forward(batch), batch);
+    ref_opt.zero_grad();
+    loss.backward();
+    ref_opt.step();
+    ref_losses.push_back(loss.item<double>());
+  }
+
+  for (const int ep : layouts(config.moe->num_experts)) {
+    CausalLM model = seeded(config);
+    split(model, ep, /*wrap=*/true);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.5));
+    const int64_t per_rank = kGlobalBatch / world;
+    for (int step = 0; step < kSteps; ++step) {
+      const at::Tensor local = batches[step].narrow(0, me * per_rank, per_rank);
+      const at::Tensor loss = mdist::hf::causal_lm_loss(model->forward(local), local);
+      opt.zero_grad();
+      loss.backward();
+      opt.step();
+      const double global = mdist::allreduce(loss.item<double>()) / world;
+      EXPECT_NEAR(global, ref_losses[step], 1e-5 * ref_losses[step])
+          << "ep " << ep << ", step " << step;
+    }
+    // This rank's experts, gathered over their FSDP group, against the same experts trained
+    // in one process.
+    for (std::size_t l = 0; l < model->model->decoder_layers.size(); ++l) {
+      const auto& block = model->model->decoder_layers[l]->moe;
+      if (!block) continue;
+      auto handle = mdist::fsdp_handle(*block->experts);
+      ASSERT_TRUE(handle.has_value());
+      handle->unshard();
+      const auto& ref_experts = reference->model->decoder_layers[l]->moe->experts;
+      for (std::size_t i = 0; i < block->experts->local.size(); ++i) {
+        const auto& mine = block->experts->local[i];
+        const auto& same = ref_experts->local[block->experts->first + static_cast<int64_t>(i)];
+        const at::Tensor got = mine->down_proj->weight, want = same->down_proj->weight;
+        EXPECT_LT(((got - want).abs().max() / want.abs().max()).item<double>(), 1e-5)
+            << "ep " << ep << ", layer " << l << ", expert " << block->experts->first + i;
+      }
+      handle->reshard();
+    }
+  }
+}
+
+TEST_P(ExpertParallel, EachRankHoldsOnlyItsOwnExperts) {
+  const LlamaConfig config = fixture_config(GetParam(), 12);
+  const int ep = mdist::size();
+  if (config.moe->num_experts % ep != 0) GTEST_SKIP() << "12 experts on " << ep << " ranks";
+  CausalLM model = seeded(config);
+  split(model, ep, /*wrap=*/false);
+  const int64_t per_rank = config.moe->num_experts / ep;
+  const int64_t first = mdist::rank() * per_rank;
+  int64_t expert_params = 0;
+  for (const auto& item : model->named_parameters()) {
+    const std::string& name = item.key();
+    const auto at = name.find(".experts.");
+    if (at == std::string::npos) continue;
+    const int64_t index = std::stoll(name.substr(at + 9));
+    EXPECT_GE(index, first) << name;
+    EXPECT_LT(index, first + per_rank) << name;
+    ++expert_params;
+  }
+  int64_t sparse_layers = 0;
+  for (const auto& layer : model->model->decoder_layers) sparse_layers += layer->moe ? 1 : 0;
+  EXPECT_EQ(expert_params, sparse_layers * per_rank * 3);  // gate, up and down per expert
+}
+
+TEST_P(ExpertParallel, BadInput) {
+  CausalLM dense(
+      LlamaConfig::from_file(std::string(MDIST_HF_MODEL_FIXTURES) + "/llama/config.json"));
+  EXPECT_THAT(mdist::testing::error_of(
+                  [&] { mdist::hf::parallelize_experts(dense, mdist::Group::world()); }),
+              HasSubstr("has no mixture-of-experts layer"));
+  const int world = mdist::size();
+  if (world > 1) {
+    CausalLM odd = seeded(fixture_config(GetParam(), world + 1));
+    EXPECT_THAT(mdist::testing::error_of(
+                    [&] { mdist::hf::parallelize_experts(odd, mdist::Group::world()); }),
+                HasSubstr(std::to_string(world + 1) +
+                          " experts do not divide over an expert-parallel group of " +
+                          std::to_string(world) + " ranks"));
+  }
+  CausalLM wrapped = seeded(fixture_config(GetParam(), 12));
+  mdist::fsdp2_wrap(*wrapped);
+  EXPECT_THAT(mdist::testing::error_of(
+                  [&] { mdist::hf::parallelize_experts(wrapped, mdist::Group::world()); }),
+              HasSubstr("already wrapped by fully_shard"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, ExpertParallel,
+                         ::testing::Values("qwen3_moe", "mixtral", "qwen2_moe"));
+
+}  // namespace
