@@ -1172,9 +1172,10 @@ TEST_F(MdistChecks, TrainLogsTheHeldOutLossItsCheckpointsEvaluateTo) {
 TEST_F(MdistChecks, UsageErrorsAreOneLineWithExitCodeTwo) {
   auto r = mdist(2, {"trian"});
   EXPECT_EQ(r.exit_code, 2) << describe(r);
-  EXPECT_THAT(r.err,
-              HasSubstr("[rank0]: mdist: error: unknown subcommand 'trian' (did you mean "
-                        "'train'?); the subcommands are train, eval, calibrate, generate, tokenize, info"));
+  EXPECT_THAT(
+      r.err,
+      HasSubstr("[rank0]: mdist: error: unknown subcommand 'trian' (did you mean "
+                "'train'?); the subcommands are train, eval, calibrate, generate, tokenize, info"));
   EXPECT_EQ(error_lines(r.err), 1) << r.err;
   r = mdist(2, {"train", "--no-such-flag"});
   EXPECT_EQ(r.exit_code, 2) << describe(r);
