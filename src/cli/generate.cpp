@@ -90,10 +90,16 @@ int run_generate(const GenerateOptions& o) {
       continue;
     }
     // Decoding the whole continuation each time: a token can complete a character (or drop a
-    // leading space) only in the context of the tokens before it. Printed once it grows.
+    // leading space) only in the context of the tokens before it. A trailing U+FFFD (bytes of
+    // a character still incomplete, with byte fallback) is held back until the next token
+    // completes it; what grows the printed text is printed.
     const std::vector<std::int32_t> continuation(
         tokens.begin() + static_cast<std::ptrdiff_t>(prompt_tokens), tokens.end());
-    const std::string text = choice.tokenizer->decode(continuation, true);
+    std::string text = choice.tokenizer->decode(continuation, true);
+    if (i + 1 < o.max_new_tokens) {
+      constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
+      while (text.ends_with(kReplacement)) text.resize(text.size() - kReplacement.size());
+    }
     if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
       std::cout << text.substr(printed.size()) << std::flush;
       printed = text;
