@@ -98,6 +98,7 @@ int run_calibrate(const CalibrateOptions& o) {
   const int64_t total =
       o.max_sequences > 0 ? std::min(o.max_sequences, windows.count()) : windows.count();
   say("mdist calibrate: model " + choice.description);
+  say("mdist calibrate: " + tokenizer_line(choice));
   say("mdist calibrate: " + std::to_string(total) + " sequences of " +
       std::to_string(o.io.seq_len) + " tokens from " + data.description + ", " +
       std::to_string(stats.size()) + " Linear modules, " + describe_layout(parallel));

@@ -290,7 +290,8 @@ void prune(const fs::path& dir, const std::string& current, int keep) {
 
 void save_training_checkpoint(const fs::path& run_dir, hf::CausalLM& model,
                               torch::optim::Optimizer& optimizer, const TrainerState& state,
-                              int keep, const ParallelState& parallel) {
+                              int keep, const ParallelState& parallel,
+                              const std::vector<fs::path>& carried) {
   const fs::path dir = run_dir / "checkpoints";
   const std::string name = step_name(state.step);
   const fs::path tmp = dir / (".tmp-" + name);
@@ -346,6 +347,7 @@ void save_training_checkpoint(const fs::path& run_dir, hf::CausalLM& model,
           {"skipped_steps", state.skipped_steps},
       };
       hf::write_file_atomically(tmp / "trainer_state.json", trainer.dump(2) + "\n");
+      for (const auto& file : carried) fs::copy_file(file, tmp / file.filename());
     });
   agree();  // every rank's files are complete
   if (rank() == 0) {

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -36,10 +37,13 @@ struct TrainerState {
 };
 
 // Collective. `keep`: how many checkpoints to keep (older ones are removed, and so are those
-// of later steps, left by an earlier run in the same directory).
+// of later steps, left by an earlier run in the same directory). `carried`: files copied into
+// the checkpoint as they are (the model's tokenizer files, so that a checkpoint is a usable
+// Hugging Face model directory).
 void save_training_checkpoint(const std::filesystem::path& run_dir, hf::CausalLM& model,
                               torch::optim::Optimizer& optimizer, const TrainerState& state,
-                              int keep, const ParallelState& parallel = ParallelState());
+                              int keep, const ParallelState& parallel = ParallelState(),
+                              const std::vector<std::filesystem::path>& carried = {});
 
 // The newest complete checkpoint of a run, if any.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);

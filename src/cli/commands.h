@@ -78,6 +78,16 @@ struct GenerateOptions {
   std::filesystem::path default_run = "runs/default";
 };
 
+struct TokenizeOptions {
+  std::filesystem::path model_dir;  // holds tokenizer.json
+  std::filesystem::path data;
+  std::filesystem::path out;       // .u16 or .u32
+  std::string format = "text";     // text or jsonl
+  std::string field = "text";      // jsonl: the text's field
+  std::string sample_by = "line";  // text: line, paragraph or document
+  std::optional<double> timeout_s;
+};
+
 struct InfoOptions {
   int tensor_parallel = 1;
   std::optional<double> timeout_s;
@@ -88,5 +98,6 @@ int run_eval(const EvalOptions& options);
 int run_calibrate(const CalibrateOptions& options);
 int run_generate(const GenerateOptions& options);
 int run_info(const InfoOptions& options);
+int run_tokenize(const TokenizeOptions& options);
 
 }  // namespace mdist::cli

@@ -80,6 +80,7 @@ int run_eval(const EvalOptions& o) {
   const ParallelState parallel = make_layout(o.io.tensor_parallel);
   hf::CausalLM model = build_wrapped_model(choice, o.io.seed, parallel);
   say("mdist eval: model " + choice.description);
+  say("mdist eval: " + tokenizer_line(choice));
   say("mdist eval: data " + data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens on " + describe_layout(parallel));
   const HeldOutLoss held = held_out_loss(model, windows, parallel, o.batch_size);

@@ -29,7 +29,7 @@ int run_generate(const GenerateOptions& o) {
     check_tensor_parallel_size(o.tensor_parallel);
     choice = model_for_inference(o.model_dir, o.default_run);
     check_tensor_parallel(o.tensor_parallel, choice.config);
-    if (choice.config.vocab_size < 256) {
+    if (!choice.tokenizer && choice.config.vocab_size < 256) {
       throw InputError("generate needs a byte-level model (vocab_size >= 256); this one has " +
                        std::to_string(choice.config.vocab_size));
     }
@@ -41,9 +41,18 @@ int run_generate(const GenerateOptions& o) {
   auto generator = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   const c10::Device device = compute_device();
   say("mdist generate: model " + choice.description);
+  say("mdist generate: " + tokenizer_line(choice));
 
+  // With a tokenizer the prompt is encoded (with its special tokens, as a prompt is in
+  // transformers) and the output decoded; without one every byte is a token.
   std::vector<int64_t> tokens;
-  for (const char c : o.prompt) tokens.push_back(static_cast<unsigned char>(c));
+  if (choice.tokenizer) {
+    for (const std::int32_t id : choice.tokenizer->encode(o.prompt, true)) tokens.push_back(id);
+  } else {
+    for (const char c : o.prompt) tokens.push_back(static_cast<unsigned char>(c));
+  }
+  const std::size_t prompt_tokens = tokens.size();
+  std::string printed;  // the decoded continuation shown so far
   if (rank() == 0) {
     std::cout << "----\n" << o.prompt << std::flush;
   }
@@ -75,7 +84,26 @@ int run_generate(const GenerateOptions& o) {
     // Ranks compute the same logits; rank 0's choice is the one every rank continues with.
     next = broadcast(next);
     tokens.push_back(next);
-    if (rank() == 0) std::cout << static_cast<char>(next) << std::flush;
+    if (rank() != 0) continue;
+    if (!choice.tokenizer) {
+      std::cout << static_cast<char>(next) << std::flush;
+      continue;
+    }
+    // Decoding the whole continuation each time: a token can complete a character (or drop a
+    // leading space) only in the context of the tokens before it. A trailing U+FFFD (bytes of
+    // a character still incomplete, with byte fallback) is held back until the next token
+    // completes it; what grows the printed text is printed.
+    const std::vector<std::int32_t> continuation(
+        tokens.begin() + static_cast<std::ptrdiff_t>(prompt_tokens), tokens.end());
+    std::string text = choice.tokenizer->decode(continuation, true);
+    if (i + 1 < o.max_new_tokens) {
+      constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
+      while (text.ends_with(kReplacement)) text.resize(text.size() - kReplacement.size());
+    }
+    if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
+      std::cout << text.substr(printed.size()) << std::flush;
+      printed = text;
+    }
   }
   if (rank() == 0) std::cout << "\n----" << std::endl;
   return 0;

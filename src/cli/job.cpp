@@ -22,6 +22,8 @@
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 #include "src/cli/checkpoint.h"
+#include "src/cli/document_encoder.h"
+#include "src/cli/documents.h"
 
 namespace mdist::cli {
 
@@ -117,7 +119,42 @@ ModelChoice model_from_dir(const std::filesystem::path& dir) {
     throw InputError("model directory '" + dir.string() + "': " + error.what());
   }
   choice.description = dir.string() + " (" + choice.config.architecture + ")";
+  choice.tokenizer = tokenizer_of(dir, false);
   return choice;
+}
+
+std::shared_ptr<const hf::Tokenizer> tokenizer_of(const std::filesystem::path& dir, bool required) {
+  std::error_code ec;
+  if (!std::filesystem::exists(dir, ec)) {
+    throw InputError("model directory '" + dir.string() + "' does not exist");
+  }
+  if (!std::filesystem::is_directory(dir, ec)) {
+    throw InputError("model directory '" + dir.string() + "' is not a directory");
+  }
+  if (!hf::Tokenizer::exists_in(dir)) {
+    if (required) throw InputError("model directory '" + dir.string() + "' has no tokenizer.json");
+    return nullptr;
+  }
+  try {
+    return std::make_shared<const hf::Tokenizer>(hf::Tokenizer::from_directory(dir));
+  } catch (const Error& error) {
+    throw InputError("model directory '" + dir.string() + "': " + error.what());
+  }
+}
+
+std::string tokenizer_line(const ModelChoice& model) {
+  return model.tokenizer ? "tokenizer: " + model.tokenizer->description()
+                         : std::string("tokenizer: none, text read as bytes");
+}
+
+std::vector<std::filesystem::path> tokenizer_files(const ModelChoice& model) {
+  std::vector<std::filesystem::path> files;
+  if (!model.dir || !model.tokenizer) return files;
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}) {
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(*model.dir / name, ec)) files.push_back(*model.dir / name);
+  }
+  return files;
 }
 
 ModelChoice default_model() {
@@ -224,8 +261,26 @@ std::string describe_layout(const ParallelState& parallel) {
          std::to_string(tp);
 }
 
+namespace {
+
+// Text through the model's tokenizer: each line a document, encoded as `mdist tokenize` does
+// (add_special_tokens, then EOS), so that training on the text and on its tokenized .u32 file
+// are the same. The ids are held in memory (4 bytes a token, on every rank): for a large corpus,
+// run `mdist tokenize` once and train on its memory-mapped output.
+TokenStream tokenized_text(const std::filesystem::path& path, const hf::Tokenizer& tokenizer,
+                           DataSplit split, std::int64_t vocab_size) {
+  const MappedFile file(path, "data file");
+  const DocumentEncoder encoder(tokenizer);
+  std::vector<std::int32_t> ids;
+  for_each_document(file, 0, file.size(), DocumentOptions{},
+                    [&](std::string_view doc, std::size_t) { encoder.encode(doc, ids); });
+  return token_stream_of(std::move(ids), path.string(), "text, tokenizer", split, vocab_size);
+}
+
+}  // namespace
+
 TokenStream load_data(const ModelDataOptions& options, DataSplit default_split,
-                      std::int64_t vocab_size) {
+                      std::int64_t vocab_size, const hf::Tokenizer* tokenizer) {
   const DataFormat format = parse_data_format(options.data_format);
   DataSplit split = DataSplit::all;
   if (options.split == "auto") {
@@ -234,6 +289,10 @@ TokenStream load_data(const ModelDataOptions& options, DataSplit default_split,
     split = parse_data_split(options.split);
   }
   // The id range check is split across the ranks (agree_on_inputs combines the outcomes).
+  if (options.data && tokenizer != nullptr &&
+      resolve_data_format(*options.data, format) == DataFormat::text) {
+    return tokenized_text(*options.data, *tokenizer, split, vocab_size);
+  }
   if (options.data) {
     return load_tokens(*options.data, format, split, vocab_size, {rank(), size()});
   }
@@ -253,7 +312,8 @@ at::Tensor batch_of(const Windows& windows, const std::vector<std::int64_t>& whi
 
 TokenStream load_checked_data(const ModelDataOptions& options, DataSplit default_split,
                               const ModelChoice& model, const char* command) {
-  TokenStream data = load_data(options, default_split, model.config.vocab_size);
+  TokenStream data =
+      load_data(options, default_split, model.config.vocab_size, model.tokenizer.get());
   const Windows windows(data, options.seq_len, command);
   if (options.seq_len > model.config.max_position_embeddings) {
     throw InputError("--seq-len " + std::to_string(options.seq_len) +

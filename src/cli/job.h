@@ -5,12 +5,14 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
+#include "mdist/hf/tokenizer.h"
 #include "mdist/runtime/device.h"
 #include "mdist/runtime/runtime.h"
 #include "src/cli/commands.h"
@@ -48,7 +50,19 @@ struct ModelChoice {
   std::optional<std::filesystem::path> dir;
   hf::LlamaConfig config;
   std::string description;  // for the log
+  // The directory's tokenizer.json (with tokenizer_config.json), if it has one: text data is
+  // then tokenized with it, and generate encodes and decodes with it.
+  std::shared_ptr<const hf::Tokenizer> tokenizer;
 };
+
+// DIR's tokenizer (InputError naming the directory and the problem when tokenizer.json is
+// malformed or unsupported); null when DIR has no tokenizer.json, or an InputError when
+// `required`.
+std::shared_ptr<const hf::Tokenizer> tokenizer_of(const std::filesystem::path& dir, bool required);
+// "tokenizer: <description>" or "tokenizer: none, text read as bytes", for the log.
+std::string tokenizer_line(const ModelChoice& model);
+// The tokenizer files of the model's directory that a checkpoint carries along.
+std::vector<std::filesystem::path> tokenizer_files(const ModelChoice& model);
 
 // Checks a model directory (exists, readable, config.json of a supported architecture,
 // safetensors present and valid); throws InputError naming the problem.
@@ -83,8 +97,9 @@ std::string describe_layout(const ParallelState& parallel);
 
 // The token stream of a command (embedded corpus or a file), checked against the vocabulary.
 // `default_split` applies to the embedded corpus when options.split is "auto".
+// Text data (not the embedded corpus) goes through `tokenizer` when one is given.
 TokenStream load_data(const ModelDataOptions& options, DataSplit default_split,
-                      std::int64_t vocab_size);
+                      std::int64_t vocab_size, const hf::Tokenizer* tokenizer = nullptr);
 
 // The windows `which` as an int64 tensor [which.size(), seq_len].
 at::Tensor batch_of(const Windows& windows, const std::vector<std::int64_t>& which);

@@ -250,6 +250,34 @@ int main(int argc, char** argv) {
   generate_cmd->footer(
       "\nWithout --model: the latest checkpoint of runs/default, else the seeded default model.");
 
+  TokenizeOptions tokenize;
+  auto* tokenize_cmd = app.add_subcommand(
+      "tokenize", "Tokenize a text or JSON Lines corpus into a .u16/.u32 token file");
+  tokenize_cmd->add_option("--model", tokenize.model_dir, "Model directory with tokenizer.json")
+      ->required()
+      ->type_name("DIR");
+  tokenize_cmd->add_option("--data", tokenize.data, "Corpus: text or JSON Lines")
+      ->required()
+      ->type_name("FILE");
+  tokenize_cmd
+      ->add_option("--out", tokenize.out,
+                   "Token file: .u32 (little-endian uint32) or .u16 (when the vocabulary fits); "
+                   "written atomically, the same bytes on any number of ranks")
+      ->required()
+      ->type_name("FILE");
+  tokenize_cmd->add_option("--format", tokenize.format, "text or jsonl")->capture_default_str();
+  tokenize_cmd->add_option("--field", tokenize.field, "jsonl: the field holding the text")
+      ->capture_default_str();
+  tokenize_cmd
+      ->add_option("--sample-by", tokenize.sample_by,
+                   "text: a document is a line, a paragraph (lines up to an empty line) or the "
+                   "whole file")
+      ->capture_default_str();
+  add_timeout(*tokenize_cmd, tokenize.timeout_s);
+  tokenize_cmd->footer(
+      "\nEach document is encoded with its special tokens, then EOS. Under mdistrun the ranks "
+      "split the corpus at document boundaries.");
+
   InfoOptions info;
   auto* info_cmd =
       app.add_subcommand("info", "Versions, backends, devices, and this job's ranks and groups");
@@ -278,6 +306,7 @@ int main(int argc, char** argv) {
                                           : command == "eval"      ? eval.io.timeout_s
                                           : command == "calibrate" ? calibrate.io.timeout_s
                                           : command == "generate"  ? generate.timeout_s
+                                          : command == "tokenize"  ? tokenize.timeout_s
                                                                    : info.timeout_s;
     (void)setup_options(timeout);
   } catch (const InputError& error) {
@@ -288,6 +317,7 @@ int main(int argc, char** argv) {
     if (command == "eval") return run_eval(eval);
     if (command == "calibrate") return run_calibrate(calibrate);
     if (command == "generate") return run_generate(generate);
+    if (command == "tokenize") return run_tokenize(tokenize);
     return run_info(info);
   } catch (const AgreedFailure& error) {
     return report(command.c_str(), error, error.exit_code(), error.reporter());

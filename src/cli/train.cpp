@@ -255,6 +255,7 @@ int run_train(const TrainOptions& o) {
   }
 
   say("mdist train: " + describe_layout(parallel) + ", model " + model_choice.description);
+  say("mdist train: " + tokenizer_line(model_choice));
   say("mdist train: data " + data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens; global batch " +
       std::to_string(o.global_batch) + " (" + std::to_string(o.global_batch / dp) +
@@ -397,7 +398,10 @@ int run_train(const TrainOptions& o) {
                       format_number("%.3f", std::exp(held.mean())));
       }
     }
-    if (save) save_training_checkpoint(o.out, model, *optimizer, state, o.keep, parallel);
+    if (save) {
+      save_training_checkpoint(o.out, model, *optimizer, state, o.keep, parallel,
+                               tokenizer_files(model_choice));
+    }
   }
   progress.finish();
   if (rank() == 0) {
