@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang and runs each fuzzer (object decoder, safetensors
-# reader) for a fixed budget, seeded with the corpus kept in the repository
+# reader, tokenizer) for a fixed budget, seeded with the corpus kept in the repository
 # (fuzz/corpus/<target>/). CI calls it; it exits non-zero when a fuzzer finds a crash, a
 # sanitizer report, a leak, an input over the memory limit or a hang.
 #
@@ -9,7 +9,7 @@
 #
 # Environment:
 #   MDIST_FUZZ_SECONDS    fuzzing time in seconds for each fuzzer (default 60); the safetensors
-#                         reader fuzzer runs after the object decoder one, for as long
+#                         reader and tokenizer fuzzers run after the object decoder one, for as long
 #   MDIST_FUZZ_BUILD_DIR  build directory (default <repo>/build-fuzz)
 #   MDIST_FUZZ_CXX        clang++ to build with (default: clang++, else clang++-NN)
 #   MDIST_FUZZ_JOBS       parallel compile jobs (default 2)
@@ -53,7 +53,7 @@ if ! cmake -S "$repo" -B "$build" -DCMAKE_CXX_COMPILER="$cxx" -DMDIST_LIBTORCH="
   exit 2
 fi
 cmake --build "$build" --target object_decoder_fuzzer object_decoder_seeds safetensors_fuzzer \
-  -j "$jobs"
+  tokenizer_fuzzer -j "$jobs"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/mdist-fuzz.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
@@ -124,3 +124,8 @@ fuzz object_decoder_fuzzer "$repo/fuzz/corpus/object_decoder" "$work/corpus" "$w
 # (files written by the official safetensors library).
 fuzz safetensors_fuzzer "$repo/fuzz/corpus/safetensors" "$work/safetensors_corpus" \
   "$repo/tests/hf/fixtures"
+# The tokenizer (encode, decode and the StreamEncoder of every fixture family on arbitrary bytes):
+# seeded with its committed corpus and each line of the fixtures' multilingual corpus.
+mkdir -p "$work/tokenizer_seeds"
+split -l 1 -a 3 "$repo/tests/hf/tokenizer/fixtures/corpus.txt" "$work/tokenizer_seeds/line-"
+fuzz tokenizer_fuzzer "$repo/fuzz/corpus/tokenizer" "$work/tokenizer_corpus" "$work/tokenizer_seeds"

@@ -8,6 +8,7 @@
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/mdist.h"
 #include "tests/fsdp/mlp.h"
+#include "tests/fsdp/mlp_reference.h"
 #include "tests/support/error_of.h"
 
 namespace {
@@ -15,57 +16,16 @@ namespace {
 using mdist::testing::Mlp;
 using ::testing::HasSubstr;
 
-constexpr int kGlobalBatch = 12;  // divisible by 1, 2, 3 and 4 ranks
-constexpr int kSteps = 5;
-
-struct Data {
-  at::Tensor x, y;
-};
-
-Data global_batch(int step) {
-  torch::manual_seed(1000 + step);
-  return {torch::randn({kGlobalBatch, 8}), torch::randn({kGlobalBatch, 5})};
-}
-
-Data local_batch(int step) {
-  const Data all = global_batch(step);
-  const int per_rank = kGlobalBatch / mdist::size();
-  return {all.x.narrow(0, mdist::rank() * per_rank, per_rank),
-          all.y.narrow(0, mdist::rank() * per_rank, per_rank)};
-}
-
-Mlp seeded_model() {
-  torch::manual_seed(7);
-  return Mlp();
-}
-
-double rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
-}
-
-struct Trace {
-  std::vector<double> losses;
-  std::map<std::string, at::Tensor> params;  // full parameters after training
-};
-
-torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.01); }
-
-Trace train_reference() {
-  Mlp model = seeded_model();
-  torch::optim::AdamW opt(model->parameters(), adamw());
-  Trace trace;
-  for (int step = 0; step < kSteps; ++step) {
-    const Data d = global_batch(step);
-    opt.zero_grad();
-    const at::Tensor loss = torch::mse_loss(model->forward(d.x), d.y);
-    loss.backward();
-    opt.step();
-    trace.losses.push_back(loss.item<double>());
-  }
-  for (const auto& p : model->named_parameters())
-    trace.params[p.key()] = p.value().detach().clone();
-  return trace;
-}
+using mdist::testing::adamw;
+using mdist::testing::Data;
+using mdist::testing::global_batch;
+using mdist::testing::kGlobalBatch;
+using mdist::testing::kSteps;
+using mdist::testing::local_batch;
+using mdist::testing::rel_diff;
+using mdist::testing::seeded_model;
+using mdist::testing::Trace;
+using mdist::testing::train_reference;
 
 enum class Wrap { kLayersAndRoot, kRootOnly };
 

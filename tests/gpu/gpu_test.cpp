@@ -17,13 +17,11 @@
 #include "mdist/mdist.h"
 #include "mdist/runtime/c10d.h"
 #include "tests/fsdp/mlp.h"
+#include "tests/fsdp/mlp_reference.h"
 
 namespace {
 
 using mdist::testing::Mlp;
-
-constexpr int kGlobalBatch = 12;
-constexpr int kSteps = 5;
 
 #define MDIST_REQUIRE_CUDA()                                                                       \
   do {                                                                                             \
@@ -31,50 +29,16 @@ constexpr int kSteps = 5;
     if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible";                    \
   } while (false)
 
-struct Data {
-  at::Tensor x, y;
-};
+using mdist::testing::adamw;
+using mdist::testing::Data;
+using mdist::testing::kSteps;
+using mdist::testing::local_batch;
+using mdist::testing::rel_diff;
+using mdist::testing::seeded_model;
+using mdist::testing::Trace;
 
-Data global_batch(int step) {
-  torch::manual_seed(1000 + step);
-  return {torch::randn({kGlobalBatch, 8}), torch::randn({kGlobalBatch, 5})};
-}
-
-Data local_batch(int step, const c10::Device& device) {
-  const Data all = global_batch(step);
-  const int per_rank = kGlobalBatch / mdist::size();
-  return {all.x.narrow(0, mdist::rank() * per_rank, per_rank).to(device),
-          all.y.narrow(0, mdist::rank() * per_rank, per_rank).to(device)};
-}
-
-Mlp seeded_model() {
-  torch::manual_seed(7);
-  return Mlp();
-}
-
-struct Trace {
-  std::vector<double> losses;
-  std::map<std::string, at::Tensor> params;  // full parameters after training, on the CPU
-};
-
-torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.01); }
-
-Trace train_reference_on_cpu() {
-  Mlp model = seeded_model();
-  torch::optim::AdamW opt(model->parameters(), adamw());
-  Trace trace;
-  for (int step = 0; step < kSteps; ++step) {
-    const Data d = global_batch(step);
-    opt.zero_grad();
-    const at::Tensor loss = torch::mse_loss(model->forward(d.x), d.y);
-    loss.backward();
-    opt.step();
-    trace.losses.push_back(loss.item<double>());
-  }
-  for (const auto& p : model->named_parameters())
-    trace.params[p.key()] = p.value().detach().clone();
-  return trace;
-}
+// The single-process reference trains on the CPU.
+Trace train_reference_on_cpu() { return mdist::testing::train_reference(); }
 
 enum class Placement { kOnDevice, kCpuOffload };
 
@@ -110,10 +74,6 @@ Trace train_sharded(Placement placement, const mdist::MixedPrecisionPolicy& mp, 
   for (const auto& p : model->named_parameters())
     trace.params[p.key()] = p.value().detach().to(torch::kCPU).clone();
   return trace;
-}
-
-double rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
 }
 
 void expect_close(const Trace& got, const Trace& want, double loss_tol, double param_tol) {
