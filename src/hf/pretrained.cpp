@@ -10,6 +10,7 @@
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/fsdp/state_dict.h"
+#include "mdist/hf/expert_parallel.h"
 #include "mdist/hf/fsdp2_wrap.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
@@ -115,6 +116,15 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
 
 void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
                      std::uint64_t max_shard_bytes) {
+  // Gathering is over the FSDP groups only: rank 0 would write its own experts and not the
+  // others'. Refused, rather than a checkpoint that silently lacks experts.
+  for (const auto& layer : model->model->decoder_layers) {
+    if (layer->moe && layer->moe->experts->expert_parallel) {
+      throw Error(
+          "mdist: save_pretrained: the experts are split over an expert-parallel group "
+          "(hf::parallelize_experts); saving such a model is not supported yet");
+    }
+  }
   std::map<std::string, at::Tensor> tensors;
   const auto& plan = model->tensor_parallel;
   if (plan && plan->size() > 1) {
@@ -231,6 +241,24 @@ void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::pa
       return out;
     };
   }
+  // Under expert parallelism (hf::parallelize_experts) the checkpoint, checked above against
+  // the full config, holds every expert; this rank reads only its own and skips the others.
+  bool split_experts = false;
+  if (causal_lm != nullptr) {
+    for (const auto& layer : causal_lm->model->decoder_layers) {
+      split_experts = split_experts || (layer->moe && layer->moe->experts->expert_parallel);
+    }
+  }
+  if (split_experts) {
+    auto keys = source.keys;
+    source.keys = [&params, keys] {
+      std::vector<std::string> out = keys();
+      std::erase_if(out, [&](const std::string& key) {
+        return key.find(".experts.") != std::string::npos && !params.contains(key);
+      });
+      return out;
+    };
+  }
   source.shape = [&](const std::string& name) {
     if (const auto it = fused.find(name); it != fused.end()) return it->second.shape;
     return checkpoint.info(name).shape;
@@ -264,6 +292,17 @@ CausalLM load_pretrained_fsdp2(const std::filesystem::path& dir, const Fsdp2Load
     CausalLM built(LlamaConfig::from_file((dir / "config.json").string()), c10::kMeta);
     if (options.parallel.tensor_parallel_group.world_size() > 1) {
       parallelize(built, options.parallel);
+    }
+    if (options.parallel.expert_model_parallel_group.world_size() > 1) {
+      if (!options.expert_data_parallel) {
+        throw Error(
+            "mdist: load_pretrained_fsdp2: an expert-parallel layout needs "
+            "Fsdp2LoadOptions::expert_data_parallel (make_expert_data_parallel_group)");
+      }
+      parallelize_experts(built, options.parallel.expert_model_parallel_group.group());
+      shard_experts(built, *options.expert_data_parallel,
+                    options.parallel.data_parallel_group.world_size(), options.mp_policy,
+                    options.cpu_offload);
     }
     fsdp2_wrap(*built, options.shard_root, options.mp_policy, options.cpu_offload,
                options.parallel.data_parallel_group.group());

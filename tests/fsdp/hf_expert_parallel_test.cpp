@@ -6,12 +6,16 @@
 
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/expert_parallel.h"
 #include "mdist/hf/fsdp2_wrap.h"
+#include "mdist/hf/pretrained.h"
 #include "mdist/mdist.h"
 #include "tests/support/error_of.h"
 
@@ -171,6 +175,54 @@ TEST_P(ExpertParallel, EachRankHoldsOnlyItsOwnExperts) {
   int64_t sparse_layers = 0;
   for (const auto& layer : model->model->decoder_layers) sparse_layers += layer->moe ? 1 : 0;
   EXPECT_EQ(expert_params, sparse_layers * per_rank * 3);  // gate, up and down per expert
+}
+
+// A checkpoint saved without expert parallelism, loaded by load_pretrained_fsdp2 in every
+// (dp, ep) layout: each rank builds on the meta device, keeps and reads only its own experts,
+// and the logits are the saved model's. Saving a split model is refused (rank 0 would hold only
+// its own experts), not written without the others.
+TEST_P(ExpertParallel, LoadPretrainedFsdp2ReadsOnlyItsExpertsAndSavingIsRefused) {
+  const LlamaConfig config = fixture_config(GetParam(), 12);
+  CausalLM reference = seeded(config);
+  const std::filesystem::path dir =
+      mdist::broadcast((std::filesystem::temp_directory_path() /
+                        ("mdist-ep-load-" + std::to_string(::getpid()) + "-" + GetParam()))
+                           .string());
+  if (mdist::is_master()) mdist::hf::save_pretrained(reference, dir);
+  mdist::barrier();
+  torch::manual_seed(3);
+  const at::Tensor ids = torch::randint(0, config.vocab_size, {2, 8});
+  at::Tensor expected;
+  {
+    const at::NoGradGuard no_grad;
+    expected = reference->forward(ids);
+  }
+  for (const int ep : layouts(config.moe->num_experts)) {
+    mdist::hf::Fsdp2LoadOptions options;
+    options.parallel = mdist::make_parallel_state({.expert_model_parallel = ep});
+    options.expert_data_parallel =
+        mdist::make_expert_data_parallel_group({.expert_model_parallel = ep});
+    CausalLM loaded = mdist::hf::load_pretrained_fsdp2(dir, options);
+    const int64_t first = mdist::rank() % ep * (config.moe->num_experts / ep);
+    for (const auto& layer : loaded->model->decoder_layers) {
+      if (!layer->moe) continue;
+      EXPECT_EQ(layer->moe->experts->first, ep > 1 ? first : 0) << "ep " << ep;
+      EXPECT_EQ(static_cast<int64_t>(layer->moe->experts->local.size()),
+                config.moe->num_experts / ep);
+    }
+    {
+      const at::NoGradGuard no_grad;
+      EXPECT_LT((loaded->forward(ids) - expected).abs().max().item<double>(), 1e-5) << "ep " << ep;
+    }
+    if (ep > 1) {
+      EXPECT_THAT(mdist::testing::error_of(
+                      [&] { mdist::hf::save_pretrained(loaded, dir.string() + "-not-written"); }),
+                  HasSubstr("saving such a model is not supported yet"));
+      EXPECT_FALSE(std::filesystem::exists(dir.string() + "-not-written"));
+    }
+  }
+  mdist::barrier();
+  if (mdist::is_master()) std::filesystem::remove_all(dir);
 }
 
 TEST_P(ExpertParallel, BadInput) {

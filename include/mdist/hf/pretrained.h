@@ -54,6 +54,11 @@ struct Fsdp2LoadOptions {
   // data-parallel group; with a tensor-parallel group of more than one rank, hf::parallelize
   // splits the model over it first and each rank reads only its slice's own rows.
   ParallelState parallel = ParallelState();
+  // With an expert-parallel group of more than one rank in `parallel`: the ranks holding the
+  // same experts (mdist::make_expert_data_parallel_group); each rank keeps and reads only its
+  // own experts (hf::parallelize_experts, hf::shard_experts). Required then, as every group
+  // is made collectively by the caller, never inside the load.
+  std::optional<Group> expert_data_parallel;
 };
 
 // Builds the model from dir/config.json on the meta device, fsdp2_wrap's it, then each rank
