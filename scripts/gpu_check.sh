@@ -38,6 +38,10 @@ if [[ -d "$deps" ]]; then
   cmake_deps=(-DCMAKE_PREFIX_PATH="$deps/usr;$deps/usr/lib/x86_64-linux-gnu/cmake;$deps/usr/share/cmake"
     -DMDIST_GLOO_INCLUDE_DIR="$deps/usr/include")
   export PKG_CONFIG_SYSROOT_DIR="$deps" PKG_CONFIG_LIBDIR="$deps/usr/lib/x86_64-linux-gnu/pkgconfig"
+  # CMake finds PCRE2 and utf8proc through pkg-config; the carried pkgconf where none is installed.
+  if ! command -v pkg-config >/dev/null && [[ -x "$deps/usr/bin/pkgconf" ]]; then
+    cmake_deps+=(-DPKG_CONFIG_EXECUTABLE="$deps/usr/bin/pkgconf")
+  fi
   export CPATH="$deps/usr/include${CPATH:+:$CPATH}"
   export LIBRARY_PATH="$deps/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}"
   export LD_LIBRARY_PATH="$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(nlohmann-json3-dev libcli11-dev libgloo-dev libgtest-dev libgmock-dev
-  libpcre2-dev libpcre2-8-0 libutf8proc-dev libutf8proc2)
+  libpcre2-dev libpcre2-8-0 libutf8proc-dev libutf8proc2 pkgconf pkgconf-bin libpkgconf3)
 rm -rf .gpu_deps
 mkdir -p .gpu_deps/debs
 (cd .gpu_deps/debs && apt-get download "${packages[@]}" >/dev/null)
