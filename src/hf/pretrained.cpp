@@ -123,21 +123,9 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
 
 namespace {
 
-// The routed experts of every sparse block, in the model's order, with the name prefix of
-// their parameters ("model.layers.0.mlp.experts").
-std::vector<std::pair<std::string, const ExpertsImpl*>> experts_of(CausalLM& model) {
-  std::vector<std::pair<std::string, const ExpertsImpl*>> found;
-  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
-    if (const auto* experts = dynamic_cast<const ExpertsImpl*>(item.value().get())) {
-      found.emplace_back(item.key(), experts);
-    }
-  }
-  return found;
-}
-
 // The expert-parallel group the experts are split over (hf::parallelize_experts), if they are.
 std::optional<Group> expert_parallel_group(CausalLM& model) {
-  for (const auto& [prefix, experts] : experts_of(model)) {
+  for (const auto& [prefix, experts] : named_experts(model)) {
     if (experts->expert_parallel) return experts->expert_parallel;
   }
   return std::nullopt;
@@ -177,7 +165,7 @@ std::map<std::string, at::Tensor> gather_experts(CausalLM& model,
   std::vector<Entry> entries;
   std::string signature;
   std::optional<std::string> problem;
-  for (const auto& [prefix, experts] : experts_of(model)) {
+  for (const auto& [prefix, experts] : named_experts(model)) {
     const auto count = static_cast<int64_t>(experts->local.size());
     // parallelize_experts gives group rank r experts [r E/ep, (r+1) E/ep): the names of the
     // other ranks' tensors are computed from that.
@@ -264,7 +252,7 @@ void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
     const std::vector<int> members = expert_parallel->ranks();
     const bool holds_rank0 = std::find(members.begin(), members.end(), 0) != members.end();
     std::set<std::string> experts;
-    for (const auto& [prefix, module] : experts_of(model)) {
+    for (const auto& [prefix, module] : named_experts(model)) {
       for (const auto& param : module->named_parameters()) {
         experts.insert(prefix + "." + param.key());
       }
