@@ -20,6 +20,7 @@ struct ModelDataOptions {
   std::int64_t seq_len = 128;
   std::uint64_t seed = 1234;
   int tensor_parallel = 1;          // --tp: ranks per tensor-parallel group (dp = world / tp)
+  int expert_parallel = 1;          // --ep: ranks per expert-parallel group (carved out of dp)
   std::optional<double> timeout_s;  // --timeout (else MDIST_TIMEOUT, else 30 min)
 };
 
@@ -63,6 +64,8 @@ struct CalibrateOptions {
   std::int64_t max_sequences = 64;  // 0: all
   std::filesystem::path out = "runs/default/calibration.json";
   std::filesystem::path default_run = "runs/default";
+  // Write the JSON although some routed experts got no calibration tokens (reported).
+  bool allow_incomplete_moe = false;
 };
 
 struct GenerateOptions {
@@ -90,6 +93,7 @@ struct TokenizeOptions {
 
 struct InfoOptions {
   int tensor_parallel = 1;
+  int expert_parallel = 1;
   std::optional<double> timeout_s;
 };
 

@@ -72,17 +72,20 @@ int run_eval(const EvalOptions& o) {
     check_at_least(o.batch_size, 1, "--batch-size");
     if (o.out) check_writable_file(*o.out, "output file");
     check_tensor_parallel_size(o.io.tensor_parallel);
+    check_expert_parallel_size(o.io.expert_parallel, o.io.tensor_parallel);
     choice = model_for_inference(o.io.model_dir, o.default_run);
     check_tensor_parallel(o.io.tensor_parallel, choice.config);
+    check_expert_parallel(o.io.expert_parallel, o.io.tensor_parallel, choice.config);
     data = load_checked_data(o.io, DataSplit::eval, choice, "eval");
   });
   const Windows windows(data, o.io.seq_len, "eval");
-  const ParallelState parallel = make_layout(o.io.tensor_parallel);
-  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, parallel);
+  const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
+  const ParallelState& parallel = layout.parallel;
+  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, layout);
   say("mdist eval: model " + choice.description);
   say("mdist eval: " + tokenizer_line(choice));
   say("mdist eval: data " + data.description + ", " + std::to_string(windows.count()) +
-      " sequences of " + std::to_string(o.io.seq_len) + " tokens on " + describe_layout(parallel));
+      " sequences of " + std::to_string(o.io.seq_len) + " tokens on " + describe_layout(layout));
   const HeldOutLoss held = held_out_loss(model, windows, parallel, o.batch_size);
   const int64_t T = o.io.seq_len;
   const double total_loss = held.loss_sum;

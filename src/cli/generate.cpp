@@ -34,8 +34,8 @@ int run_generate(const GenerateOptions& o) {
                        std::to_string(choice.config.vocab_size));
     }
   });
-  const ParallelState parallel = make_layout(o.tensor_parallel);
-  hf::CausalLM model = build_wrapped_model(choice, o.seed, parallel);
+  const JobLayout layout = make_layout(o.tensor_parallel);
+  hf::CausalLM model = build_wrapped_model(choice, o.seed, layout);
   model->eval();
   const torch::NoGradGuard no_grad;
   auto generator = at::make_generator<at::CPUGeneratorImpl>(o.seed);

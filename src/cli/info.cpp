@@ -26,11 +26,16 @@ int run_info(const InfoOptions& o) {
   std::ostringstream me;
   me << "rank " << rank() << ": local rank " << local_rank() << " of " << local_size() << " on "
      << host << ", pid " << getpid() << ", " << torch::get_num_threads() << " thread(s)";
-  agree_on_inputs([&] { check_tensor_parallel_size(o.tensor_parallel); });
+  agree_on_inputs([&] {
+    check_tensor_parallel_size(o.tensor_parallel);
+    check_expert_parallel_size(o.expert_parallel, o.tensor_parallel);
+  });
   const auto ranks = allgather(me.str());
-  const ParallelState parallel = make_layout(o.tensor_parallel);
-  const ParallelLayout layout =
-      parallel_layout(std::max(1, size()), {.tensor_parallel = o.tensor_parallel});
+  const JobLayout job = make_layout(o.tensor_parallel, o.expert_parallel);
+  const ParallelState& parallel = job.parallel;
+  const ParallelLayout layout = parallel_layout(
+      std::max(1, size()),
+      {.tensor_parallel = o.tensor_parallel, .expert_model_parallel = o.expert_parallel});
   if (rank() != 0) return 0;
   const bool cuda = torch::cuda::is_available();
   std::cout << "mdist " << MDIST_VERSION_STRING << "\n"
@@ -63,9 +68,15 @@ int run_info(const InfoOptions& o) {
     }
     return out.str();
   };
-  std::cout << "layout: " << describe_layout(parallel) << "\n"
+  std::cout << "layout: " << describe_layout(job) << "\n"
             << "  tensor-parallel groups: " << groups(layout.tensor_parallel_groups) << "\n"
-            << "  data-parallel groups: " << groups(layout.data_parallel_groups) << std::endl;
+            << "  data-parallel groups: " << groups(layout.data_parallel_groups) << "\n";
+  if (o.expert_parallel > 1) {
+    std::cout << "  expert-parallel groups: " << groups(layout.expert_model_parallel_groups) << "\n"
+              << "  expert-data-parallel groups: " << groups(layout.expert_data_parallel_groups)
+              << "\n";
+  }
+  std::cout << std::flush;
   return 0;
 }
 

@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include "mdist/hf/expert_parallel.h"
 #include "mdist/hf/fsdp2_wrap.h"
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
@@ -200,13 +201,15 @@ void init_weights(hf::CausalLM& model, std::uint64_t seed, double std) {
 }  // namespace
 
 hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
-                                 const ParallelState& parallel) {
-  const bool split = parallel.tensor_parallel_group.world_size() > 1;
+                                 const JobLayout& layout) {
+  const ParallelState& parallel = layout.parallel;
+  const bool split = layout.tensor_parallel() > 1;
   // A checkpoint is loaded without ever holding the whole model: built on the meta device,
   // split and wrapped, then each rank reads only its rows from the memory-mapped safetensors.
   if (choice.dir) {
     hf::Fsdp2LoadOptions options;
     options.parallel = parallel;
+    options.expert_data_parallel = layout.expert_data_parallel;
     hf::CausalLM model = hf::load_pretrained_fsdp2(*choice.dir, options);
     // A NaN or infinite weight makes every number after it meaningless (exit code 0 with a
     // "loss nan"): each rank checks the values it holds, and the ranks agree, so that the job
@@ -229,8 +232,15 @@ hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
   // default is small; a large model comes from a checkpoint, read by slice.)
   init_weights(model, seed, std);
   if (split) hf::parallelize(model, parallel);
+  if (layout.expert_parallel() > 1) {
+    hf::parallelize_experts(model, parallel.expert_model_parallel_group.group());
+  }
   if (const auto device = compute_device(); !device.is_cpu()) model->to(device);
-  fsdp2_wrap(*model, true, std::nullopt, false, parallel.data_parallel_group.group());
+  const Group dp = parallel.data_parallel_group.group();
+  if (layout.expert_parallel() > 1) {
+    hf::shard_experts(model, *layout.expert_data_parallel, mdist::size(dp));
+  }
+  fsdp2_wrap(*model, true, std::nullopt, false, dp);
   return model;
 }
 
@@ -253,12 +263,47 @@ void check_tensor_parallel(int tp, const hf::LlamaConfig& config) {
   }
 }
 
-ParallelState make_layout(int tp) { return make_parallel_state({.tensor_parallel = tp}); }
+void check_expert_parallel_size(int ep, int tp) {
+  if (ep < 1) throw InputError("--ep must be at least 1, got " + std::to_string(ep));
+  // Expert-parallel groups are carved out of the data-parallel dimension.
+  const int dp = std::max(1, size()) / std::max(1, tp);
+  if (dp % ep != 0) {
+    throw InputError("--ep " + std::to_string(ep) + " does not divide the data-parallel size " +
+                     std::to_string(dp) + " (world " + std::to_string(std::max(1, size())) +
+                     " / tp " + std::to_string(tp) + ")");
+  }
+}
 
-std::string describe_layout(const ParallelState& parallel) {
-  const int tp = std::max(1, parallel.tensor_parallel_group.world_size());
-  return std::to_string(size()) + " rank(s) as dp " + std::to_string(size() / tp) + " x tp " +
-         std::to_string(tp);
+void check_expert_parallel(int ep, int tp, const hf::LlamaConfig& config) {
+  check_expert_parallel_size(ep, tp);
+  if (ep == 1) return;
+  const std::string flag = "--ep " + std::to_string(ep) + ": ";
+  if (!config.moe) {
+    throw InputError(flag + "the model (" + config.model_type +
+                     ") has no mixture-of-experts layers to split");
+  }
+  if (config.moe->num_experts % ep != 0) {
+    throw InputError(flag + "num_experts " + std::to_string(config.moe->num_experts) +
+                     " is not divisible by " + std::to_string(ep));
+  }
+}
+
+JobLayout make_layout(int tp, int ep) {
+  const ParallelSizes sizes{.tensor_parallel = tp, .expert_model_parallel = ep};
+  JobLayout layout{make_parallel_state(sizes), std::nullopt};
+  if (ep > 1) layout.expert_data_parallel = make_expert_data_parallel_group(sizes);
+  return layout;
+}
+
+std::string describe_layout(const JobLayout& layout) {
+  const int world = std::max(1, size());
+  const int tp = layout.tensor_parallel(), ep = layout.expert_parallel();
+  std::string text = std::to_string(world) + " rank(s) as dp " + std::to_string(world / tp) +
+                     " x tp " + std::to_string(tp);
+  if (ep > 1) {
+    text += ", experts over ep " + std::to_string(ep) + " x edp " + std::to_string(world / tp / ep);
+  }
+  return text;
 }
 
 namespace {

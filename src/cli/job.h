@@ -2,6 +2,7 @@
 // What every subcommand of `mdist` shares: joining the job, agreeing on bad input before any
 // output exists, choosing and building the model, and the data split across data-parallel
 // ranks.
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -73,6 +74,18 @@ ModelChoice default_model();
 ModelChoice model_for_inference(const std::optional<std::filesystem::path>& dir,
                                 const std::filesystem::path& default_run);
 
+// The job's groups: the spec's ParallelState (data, tensor and expert parallel) and, with
+// expert parallelism, the expert-data-parallel group (the ranks holding the same experts, over
+// which the experts are FSDP-sharded; Megatron's layout, dp = ep x edp).
+struct JobLayout {
+  ParallelState parallel;
+  std::optional<Group> expert_data_parallel;  // set when --ep > 1
+  int tensor_parallel() const { return std::max(1, parallel.tensor_parallel_group.world_size()); }
+  int expert_parallel() const {
+    return std::max(1, parallel.expert_model_parallel_group.world_size());
+  }
+};
+
 // Builds the model and shards it with fsdp2_wrap on mdist::compute_device() (cuda:LOCAL_RANK,
 // made current by setup(), or the CPU; mdist/runtime/device.h): weights from choice.dir
 // (hf::load_pretrained_fsdp2: no rank ever holds the whole model), or HF-style seeded
@@ -81,19 +94,26 @@ ModelChoice model_for_inference(const std::optional<std::filesystem::path>& dir,
 // size.
 // A checkpoint holding a non-finite value is refused (AgreedInputError naming the tensor), before
 // the caller has written anything.
-// With a tensor-parallel group in `parallel`, the model is split over it first
+// With a tensor-parallel group in the layout, the model is split over it first
 // (hf::parallelize; a checkpoint is read by slice) and sharded over its data-parallel group.
+// With an expert-parallel group, each rank keeps (and reads) only its experts
+// (hf::parallelize_experts), FSDP-sharded over the expert-data-parallel group.
 hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
-                                 const ParallelState& parallel = ParallelState());
+                                 const JobLayout& layout = JobLayout());
 
 // Checks --tp against the world and the model (InputError naming the sizes); call inside
 // agree_on_inputs.
 void check_tensor_parallel_size(int tensor_parallel);  // >= 1 and dividing the world
 void check_tensor_parallel(int tensor_parallel, const hf::LlamaConfig& config);
-// The job's ParallelState for --tp (collective; after the inputs are agreed on).
-ParallelState make_layout(int tensor_parallel);
-// "4 ranks as dp 2 x tp 2".
-std::string describe_layout(const ParallelState& parallel);
+// Checks --ep: >= 1 and dividing the data-parallel size (world / tp); and against the model:
+// a mixture of experts whose num_experts it divides, without tensor parallelism (InputError
+// naming the sizes). Call inside agree_on_inputs, after the --tp checks.
+void check_expert_parallel_size(int expert_parallel, int tensor_parallel);
+void check_expert_parallel(int expert_parallel, int tensor_parallel, const hf::LlamaConfig& config);
+// The job's layout for --tp and --ep (collective; after the inputs are agreed on).
+JobLayout make_layout(int tensor_parallel, int expert_parallel = 1);
+// "4 rank(s) as dp 2 x tp 2", with ", ep 2 (experts: 2 per group of 4 ... )" under --ep.
+std::string describe_layout(const JobLayout& layout);
 
 // The token stream of a command (embedded corpus or a file), checked against the vocabulary.
 // `default_split` applies to the embedded corpus when options.split is "auto".

@@ -32,6 +32,15 @@ void add_tensor_parallel(CLI::App& app, int& tp) {
   app.add_option("--tp", tp, kTpHelp)->capture_default_str();
 }
 
+constexpr const char* kEpHelp =
+    "Expert-parallel size: each mixture-of-experts layer's experts are split over groups of "
+    "this many data-parallel ranks (Megatron style: dp = ep x expert-data-parallel), tokens "
+    "sent to their experts' ranks by all-to-all";
+
+void add_expert_parallel(CLI::App& app, int& ep) {
+  app.add_option("--ep", ep, kEpHelp)->capture_default_str();
+}
+
 void add_timeout(CLI::App& app, std::optional<double>& timeout_s) {
   app.add_option("--timeout", timeout_s,
                  "Seconds a collective may wait for the other ranks before the job fails "
@@ -111,6 +120,7 @@ void add_model_data(CLI::App& app, ModelDataOptions& io, bool with_model = true)
   app.add_option("--seed", io.seed, "Seed of the initialisation and the data order")
       ->capture_default_str();
   add_tensor_parallel(app, io.tensor_parallel);
+  add_expert_parallel(app, io.expert_parallel);
   add_timeout(app, io.timeout_s);
 }
 
@@ -228,6 +238,10 @@ int main(int argc, char** argv) {
   calibrate_cmd->add_option("--out", calibrate.out, "JSON output file")
       ->capture_default_str()
       ->type_name("FILE");
+  calibrate_cmd->add_flag("--allow-incomplete-moe", calibrate.allow_incomplete_moe,
+                          "Write the result although some routed experts received no "
+                          "calibration tokens on some or all of their ranks (they are "
+                          "reported; an expert no rank saw gets input_absmax null)");
   calibrate_cmd->footer(
       "\nWithout --model: the latest checkpoint of runs/default, else the seeded default model.");
 
@@ -282,6 +296,7 @@ int main(int argc, char** argv) {
   auto* info_cmd =
       app.add_subcommand("info", "Versions, backends, devices, and this job's ranks and groups");
   add_tensor_parallel(*info_cmd, info.tensor_parallel);
+  add_expert_parallel(*info_cmd, info.expert_parallel);
   add_timeout(*info_cmd, info.timeout_s);
 
   try {

@@ -41,7 +41,8 @@ nlohmann::json run_flags(const TrainOptions& o, const TokenStream& data, const M
           {"weight_decay", o.weight_decay},
           {"grad_clip", o.grad_clip},
           {"steps", o.steps},
-          {"tensor_parallel", o.io.tensor_parallel}};  // informative: a resume may change it
+          {"tensor_parallel", o.io.tensor_parallel},  // informative: a resume may change them
+          {"expert_parallel", o.io.expert_parallel}};
 }
 
 void check_resume_flags(const nlohmann::json& saved, const nlohmann::json& now,
@@ -128,6 +129,7 @@ int run_train(const TrainOptions& o) {
     check_at_least(o.steps, 1, "--steps");
     check_at_least(o.global_batch, 1, "--global-batch");
     check_tensor_parallel_size(tp);
+    check_expert_parallel_size(o.io.expert_parallel, tp);
     if (o.global_batch % dp != 0) {
       throw InputError("--global-batch " + std::to_string(o.global_batch) +
                        " is not divisible by the data-parallel size " + std::to_string(dp));
@@ -185,6 +187,7 @@ int run_train(const TrainOptions& o) {
                    : o.io.model_dir ? model_from_dir(*o.io.model_dir)
                                     : default_model();
     check_tensor_parallel(tp, model_choice.config);
+    check_expert_parallel(o.io.expert_parallel, tp, model_choice.config);
     data = load_checked_data(o.io, DataSplit::train, model_choice, "train");
     if (o.eval_every.value_or(1) > 0) {
       if (o.eval_data) {
@@ -219,9 +222,10 @@ int run_train(const TrainOptions& o) {
   WindowOrder order(windows.count(), o.io.seed);
   std::optional<Windows> held_out;
   if (held_out_data) held_out.emplace(*held_out_data, o.io.seq_len, "train (held out)");
-  const ParallelState parallel = make_layout(tp);
+  const JobLayout layout = make_layout(tp, o.io.expert_parallel);
+  const ParallelState& parallel = layout.parallel;
   const int dp_rank = mdist::rank(parallel.data_parallel_group.group());
-  hf::CausalLM model = build_wrapped_model(model_choice, o.io.seed, parallel);
+  hf::CausalLM model = build_wrapped_model(model_choice, o.io.seed, layout);
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
   // the same directory gets one line naming this one's pid). Taken once the model is known to
   // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.
@@ -254,7 +258,7 @@ int run_train(const TrainOptions& o) {
     metrics.open(metrics_path, std::ios::app);
   }
 
-  say("mdist train: " + describe_layout(parallel) + ", model " + model_choice.description);
+  say("mdist train: " + describe_layout(layout) + ", model " + model_choice.description);
   say("mdist train: " + tokenizer_line(model_choice));
   say("mdist train: data " + data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens; global batch " +

@@ -1,0 +1,141 @@
+#pragma once
+// The fixture of the `mdist` command's end-to-end tests: runs mdist through the project's
+// launcher with real processes in a fresh directory per test, and reads what it wrote.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/support/subprocess.h"
+
+extern char** environ;
+
+namespace mdist::testing {
+
+namespace fs = std::filesystem;
+
+// Small enough for a 2-core machine: 10 steps of 4 sequences of 32 bytes.
+inline const std::vector<std::string> kQuickTrain = {"--seq-len", "32", "--global-batch", "4",
+                                                     "--warmup",  "2",  "--log-every",    "1"};
+
+class MdistCommand : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("mdist-cli-test-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+
+  // mdistrun --nproc-per-node N mdist ARGS... (OMP_NUM_THREADS=1: the same arithmetic on
+  // every rank count).
+  static RunResult mdist(int ranks, std::vector<std::string> args) {
+    std::vector<std::string> argv = {MDIST_LAUNCHER, "--nproc-per-node", std::to_string(ranks),
+                                     MDIST_CLI};
+    argv.insert(argv.end(), args.begin(), args.end());
+    mdist::testing::RunOptions options;
+    options.env["OMP_NUM_THREADS"] = "1";
+    options.timeout = std::chrono::seconds(240);
+    return mdist::testing::run(argv, options);
+  }
+
+  // mdist train, the quick flags, then `more`.
+  static std::vector<std::string> train_args(const std::vector<std::string>& more) {
+    return with(with({"train"}, kQuickTrain), more);
+  }
+
+  static std::vector<std::string> with(std::vector<std::string> args,
+                                       const std::vector<std::string>& more) {
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  }
+
+  // The lines of metrics.jsonl that have `key`: "loss" for the training steps, "eval_loss"
+  // for the held-out evaluations.
+  static std::vector<nlohmann::json> metrics(const fs::path& run, const char* key = "loss") {
+    std::vector<nlohmann::json> lines;
+    std::ifstream in(run / "metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      // A line still being written (the run is live) is not valid JSON yet: skipped.
+      auto json = nlohmann::json::parse(line, nullptr, false);
+      if (json.is_object() && json.contains(key)) lines.push_back(std::move(json));
+    }
+    return lines;
+  }
+
+  // Every file and directory under `dir` (relative paths), to prove nothing was touched.
+  static std::set<std::string> tree(const fs::path& dir) {
+    std::set<std::string> paths;
+    if (!fs::exists(dir)) return paths;
+    for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+      paths.insert(fs::relative(entry.path(), dir).string());
+    }
+    return paths;
+  }
+
+  static std::string read(const fs::path& path) {
+    std::ifstream in(path, std::ios::binary);
+    std::ostringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+
+  // Starts `argv` in the background with stdout and stderr into `log` (or /dev/null); the pid,
+  // or 0 when it could not start.
+  static pid_t spawn(std::vector<std::string> argv, const fs::path& log = "/dev/null") {
+    std::vector<char*> cargv;
+    for (auto& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    pid_t pid = 0;
+    const int failed = posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, cargv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    return failed == 0 ? pid : 0;
+  }
+
+  // The child of `launcher` whose environment has RANK=`rank`; 0 if there is none (yet).
+  static pid_t rank_process(pid_t launcher, int rank) {
+    const std::string wanted = std::string("\0RANK=", 6) + std::to_string(rank) + '\0';
+    for (const auto& entry : fs::directory_iterator("/proc")) {
+      const std::string pid = entry.path().filename();
+      if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::ifstream stat(entry.path() / "stat");
+      std::string field;
+      for (int i = 0; i < 4 && stat >> field; ++i) {
+      }
+      if (field != std::to_string(launcher)) continue;
+      if (read(entry.path() / "environ").find(wanted) != std::string::npos) {
+        return static_cast<pid_t>(std::stoi(pid));
+      }
+    }
+    return 0;
+  }
+
+  static std::string describe(const RunResult& r) {
+    return "exit " + std::to_string(r.exit_code) + "\nstdout:\n" + r.out + "\nstderr:\n" + r.err;
+  }
+
+  fs::path dir_;
+};
+
+}  // namespace mdist::testing
