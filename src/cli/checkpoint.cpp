@@ -103,27 +103,14 @@ struct Block {
   bool writes = false;
 };
 
-// Which ranks hold the first copy of a whole parameter. Most parameters are on every rank of
-// the data-parallel group: its rank 0. The experts split over an expert-parallel group
-// (hf::parallelize_experts) are only on the ranks of their expert-data-parallel group, and the
-// first of each is a rank of the expert-parallel group that holds the data-parallel group's
-// rank 0 (Megatron's layout: the expert-parallel groups are consecutive chunks of the
-// data-parallel group, the expert-data-parallel groups take one rank from each chunk).
+// Which ranks hold the first copy of a whole parameter: data-parallel rank 0, or for an
+// expert split by expert parallelism the first rank of its expert-data-parallel group (the
+// experts are not on every data-parallel rank).
 class FirstCopies {
  public:
   FirstCopies(hf::CausalLM& model, const ParallelState& parallel)
-      : dp_first_(mdist::rank(parallel.data_parallel_group.group()) <= 0) {
-    const std::vector<int> dp = parallel.data_parallel_group.group().ranks();
-    const int dp_rank0 = dp.empty() ? 0 : dp.front();
-    for (const auto& [prefix, experts] : hf::named_experts(model)) {
-      if (!experts->expert_parallel) continue;
-      const std::vector<int> ep = experts->expert_parallel->ranks();
-      const bool first = std::find(ep.begin(), ep.end(), dp_rank0) != ep.end();
-      for (const auto& param : experts->named_parameters()) {
-        split_experts_[prefix + "." + param.key()] = first;
-      }
-    }
-  }
+      : dp_first_(mdist::rank(parallel.data_parallel_group.group()) <= 0),
+        split_experts_(hf::split_expert_parameters(model, parallel.data_parallel_group.group())) {}
   bool holds(const std::string& name) const {
     const auto it = split_experts_.find(name);
     return it != split_experts_.end() ? it->second : dp_first_;

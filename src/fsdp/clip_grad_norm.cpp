@@ -48,7 +48,8 @@ double clip(torch::nn::Module& model, double max_norm, double norm_type,
     auto& bucket =
         parts[{static_cast<int>(grad.device().type()), static_cast<int>(grad.device().index())}];
     if (const auto managed = detail::find_managed(param)) {
-      if (group && !(*group == managed->unit->options.group)) {
+      const bool mixed = scope != nullptr && scope->mixed_units;
+      if (group && !(*group == managed->unit->options.group) && !mixed) {
         throw Error("mdist: clip_grad_norm_: the model's units use different groups");
       }
       group = managed->unit->options.group;
@@ -73,7 +74,9 @@ double clip(torch::nn::Module& model, double max_norm, double norm_type,
   // Whole parameters are the same on every rank of their unit's group: counted on its rank 0
   // (without units and without a scope, on rank 0 of the world; with a scope, where it says).
   const Group over = scope != nullptr ? scope->group : group.value_or(Group::world());
-  const bool whole_here = group ? is_master(*group) : (scope != nullptr || is_master(over));
+  const bool whole_here = scope != nullptr && scope->mixed_units
+                              ? true
+                              : (group ? is_master(*group) : (scope != nullptr || is_master(over)));
   double total = 0;
   if (inf) {
     total = allreduce(std::max(sharded, replicated), "max", over);

@@ -1,6 +1,8 @@
 // Expert parallelism for hf::CausalLM: which experts a rank keeps, and their FSDP units.
 #include "mdist/hf/expert_parallel.h"
 
+#include <algorithm>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,6 +86,21 @@ void shard_experts(CausalLM& model, const Group& expert_data_parallel, int data_
     if (block->experts->local.empty()) continue;
     fully_shard(*block->experts, options);
   }
+}
+
+std::map<std::string, bool> split_expert_parameters(CausalLM& model, const Group& data_parallel) {
+  const std::vector<int> dp = data_parallel.ranks();
+  const int first_dp_rank = dp.empty() ? 0 : dp.front();
+  std::map<std::string, bool> params;
+  for (const auto& [prefix, experts] : named_experts(model)) {
+    if (!experts->expert_parallel) continue;
+    const std::vector<int> ep = experts->expert_parallel->ranks();
+    const bool first = std::find(ep.begin(), ep.end(), first_dp_rank) != ep.end();
+    for (const auto& param : experts->named_parameters()) {
+      params[prefix + "." + param.key()] = first;
+    }
+  }
+  return params;
 }
 
 std::vector<std::pair<std::string, const ExpertsImpl*>> named_experts(CausalLM& model) {

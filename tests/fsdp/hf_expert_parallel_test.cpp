@@ -8,6 +8,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -20,6 +21,7 @@
 #include "mdist/hf/fsdp2_wrap.h"
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
+#include "mdist/hf/tensor_parallel.h"
 #include "mdist/mdist.h"
 #include "tests/support/error_of.h"
 
@@ -142,8 +144,8 @@ TEST_P(ExpertParallel, SameLogitsAsTheUnsplitModel) {
 }
 
 // (dp, ep) = (W, ep) for each ep the world allows, each rank its share of a global batch, 4 SGD
-// steps: the losses of one process on the whole batch, and each rank's experts end as that
-// process's same experts.
+// steps: the losses and global gradient norms of one process on the whole batch, and each
+// rank's experts end as that process's same experts.
 TEST_P(ExpertParallel, TrainsLikeOneProcessInEveryLayout) {
   const LlamaConfig config = fixture_config(GetParam(), 12);
   const int world = mdist::size(), me = mdist::rank();
@@ -157,11 +159,16 @@ TEST_P(ExpertParallel, TrainsLikeOneProcessInEveryLayout) {
   // Plain SGD, not Adam: Adam's update hardly changes when a gradient is scaled, and the scale
   // of the experts' gradients (summed over ep by the all-to-all, divided by dp) is what is tested.
   torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.5));
-  std::vector<double> ref_losses;
+  std::vector<double> ref_losses, ref_norms;
   for (const auto& batch : batches) {
     const at::Tensor loss = mdist::hf::causal_lm_loss(reference->forward(batch), batch);
     ref_opt.zero_grad();
     loss.backward();
+    double squares = 0;
+    for (const auto& p : reference->parameters()) {
+      if (p.grad().defined()) squares += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+    }
+    ref_norms.push_back(std::sqrt(squares));
     ref_opt.step();
     ref_losses.push_back(loss.item<double>());
   }
@@ -176,6 +183,9 @@ TEST_P(ExpertParallel, TrainsLikeOneProcessInEveryLayout) {
       const at::Tensor loss = mdist::hf::causal_lm_loss(model->forward(local), local);
       opt.zero_grad();
       loss.backward();
+      // The global gradient norm counts every expert's shard once (a bound that never clips).
+      EXPECT_NEAR(mdist::hf::clip_grad_norm_(model, 1e30), ref_norms[step], 1e-5 * ref_norms[step])
+          << "ep " << ep << ", step " << step;
       opt.step();
       const double global = mdist::allreduce(loss.item<double>()) / world;
       EXPECT_NEAR(global, ref_losses[step], 1e-5 * ref_losses[step])

@@ -95,9 +95,13 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
 // tensor-parallel replica also holds), and the norm is summed over `group`, which must span
 // every rank holding a distinct part (the world for TP x FSDP). A whole parameter of a unit
 // counts on its unit group's rank 0; without units, wherever `counted` says.
+// With `mixed_units` the units may shard over different groups (expert parallelism: the
+// experts over their expert-data-parallel group, the rest over the data-parallel group), and
+// `counted` alone says where a whole parameter counts (a sharded one must count everywhere).
 struct GradNormScope {
   std::function<bool(const std::string& name)> counted;
   Group group = Group::world();
+  bool mixed_units = false;
 };
 double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type,
                        const GradNormScope& scope);

@@ -13,6 +13,7 @@
 // trains like the model without expert parallelism on the same global batch (each rank its own
 // share of it): the routers, attention, dense layers and embeddings see every token as before,
 // and each expert's gradient sums all ranks' tokens that chose it.
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -40,6 +41,16 @@ void parallelize_experts(CausalLM& model, const Group& expert_parallel);
 void shard_experts(CausalLM& model, const Group& expert_data_parallel, int data_parallel_size,
                    const std::optional<MixedPrecisionPolicy>& mp_policy = std::nullopt,
                    bool cpu_offload = false);
+
+// The parameters of the experts split over an expert-parallel group, by (global) name, each
+// with whether this rank holds their first copy among the ranks holding them (its
+// expert-data-parallel group): the ranks of the expert-parallel group that holds the
+// data-parallel group's first rank (Megatron's layout: expert-parallel groups are consecutive
+// chunks of the data-parallel group, expert-data-parallel groups take one rank from each).
+// For what is written or counted once per expert (optimizer checkpoints, gradient norms).
+// Empty when the experts are not split.
+std::map<std::string, bool> split_expert_parameters(CausalLM& model,
+                                                    const Group& data_parallel = Group::world());
 
 // Every sparse block's routed experts, in the model's order, with the prefix of their
 // parameters' names ("model.layers.0.mlp.experts"; the experts' own names follow: "5.up_proj.
