@@ -349,6 +349,18 @@ at::Tensor full_logits(const CausalLM& model, const at::Tensor& logits) {
 
 double clip_grad_norm_(CausalLM& model, double max_norm, double norm_type) {
   const auto& plan = model->tensor_parallel;
+  const bool split_experts = std::any_of(
+      model->model->decoder_layers.begin(), model->model->decoder_layers.end(),
+      [](const auto& layer) { return layer->moe && layer->moe->experts->expert_parallel; });
+  if (split_experts) {
+    // Every element of every gradient is held by one rank of the world (experts: one
+    // expert-parallel rank's, sharded over its expert-data-parallel group; the rest sharded
+    // over data parallel, which is the world: tensor parallelism of MoE layers is refused).
+    GradNormScope scope;
+    scope.counted = [](const std::string&) { return true; };
+    scope.group = Group::world();
+    return mdist::clip_grad_norm_(*model, max_norm, norm_type, scope);
+  }
   if (!plan || plan->size() == 1) return mdist::clip_grad_norm_(*model, max_norm, norm_type);
   GradNormScope scope;
   scope.counted = [&plan](const std::string& name) { return plan->placement(name).primary; };

@@ -89,7 +89,10 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
 // whether this rank's copy of a parameter counts in the norm (false for the copies a
 // tensor-parallel replica also holds), and the norm is summed over `group`, which must span
 // every rank holding a distinct part (the world for TP x FSDP). A whole parameter of a unit
-// counts on its unit group's rank 0; without units, wherever `counted` says.
+// counts on its unit group's rank 0; without units, wherever `counted` says. With a scope the
+// units may use different groups (expert parallelism: experts sharded over their
+// expert-data-parallel group, the rest over data parallel); whole parameters then count on
+// rank 0 of the widest of them.
 struct GradNormScope {
   std::function<bool(const std::string& name)> counted;
   Group group = Group::world();
