@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "mdist/fsdp/state_dict.h"
+#include "mdist/hf/expert_parallel.h"
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
@@ -93,8 +94,8 @@ at::Tensor owned(const at::Tensor& moment, int64_t rows) {
 // Where this rank's part of a parameter lies in the full HF-layout tensor: rows
 // [row_offset, row_offset + rows) and, for a weight split by columns over the tensor-parallel
 // group, columns from col_offset (its local width); and whether this rank writes it (it holds
-// the first copy: every data-parallel rank its shard, data-parallel rank 0 a whole
-// parameter, and among tensor-parallel replicas the primary).
+// the first copy: every rank holding rows of a shard, for a whole parameter the first rank
+// holding it, and among tensor-parallel replicas the primary).
 struct Block {
   int64_t row_offset = 0;
   int64_t rows = 0;
@@ -102,8 +103,39 @@ struct Block {
   bool writes = false;
 };
 
+// Which ranks hold the first copy of a whole parameter. Most parameters are on every rank of
+// the data-parallel group: its rank 0. The experts split over an expert-parallel group
+// (hf::parallelize_experts) are only on the ranks of their expert-data-parallel group, and the
+// first of each is a rank of the expert-parallel group that holds the data-parallel group's
+// rank 0 (Megatron's layout: the expert-parallel groups are consecutive chunks of the
+// data-parallel group, the expert-data-parallel groups take one rank from each chunk).
+class FirstCopies {
+ public:
+  FirstCopies(hf::CausalLM& model, const ParallelState& parallel)
+      : dp_first_(mdist::rank(parallel.data_parallel_group.group()) <= 0) {
+    const std::vector<int> dp = parallel.data_parallel_group.group().ranks();
+    const int dp_rank0 = dp.empty() ? 0 : dp.front();
+    for (const auto& [prefix, experts] : hf::named_experts(model)) {
+      if (!experts->expert_parallel) continue;
+      const std::vector<int> ep = experts->expert_parallel->ranks();
+      const bool first = std::find(ep.begin(), ep.end(), dp_rank0) != ep.end();
+      for (const auto& param : experts->named_parameters()) {
+        split_experts_[prefix + "." + param.key()] = first;
+      }
+    }
+  }
+  bool holds(const std::string& name) const {
+    const auto it = split_experts_.find(name);
+    return it != split_experts_.end() ? it->second : dp_first_;
+  }
+
+ private:
+  bool dp_first_;
+  std::map<std::string, bool> split_experts_;  // by name: whether this rank is their first
+};
+
 Block block_of(const std::string& name, const ParamPlacement& place, const hf::CausalLM& model,
-               const ParallelState& parallel) {
+               const FirstCopies& first_copies) {
   Block block{place.row_offset, place.rows, 0, false};
   bool primary = true;
   if (const auto& plan = model->tensor_parallel; plan && plan->size() > 1) {
@@ -113,8 +145,7 @@ Block block_of(const std::string& name, const ParamPlacement& place, const hf::C
     if (tp.split == Split::kRows) block.row_offset += tp.offset;
     if (tp.split == Split::kColumns) block.col_offset = tp.offset;
   }
-  const bool dp_first = mdist::rank(parallel.data_parallel_group.group()) <= 0;
-  block.writes = place.rows > 0 && primary && (place.sharded || dp_first);
+  block.writes = place.rows > 0 && primary && (place.sharded || first_copies.holds(name));
   return block;
 }
 
@@ -122,8 +153,9 @@ void write_optimizer_rows(const fs::path& file, hf::CausalLM& model,
                           torch::optim::Optimizer& optimizer, const ParallelState& parallel) {
   std::map<std::string, at::Tensor> tensors;
   std::map<std::string, std::string> metadata{{"format", kOptimizerFormat}};
+  const FirstCopies first_copies(model, parallel);
   for (const auto& [name, place] : param_placements(*model)) {
-    const Block block = block_of(name, place, model, parallel);
+    const Block block = block_of(name, place, model, first_copies);
     if (!block.writes) continue;
     const auto* state = adamw_state(optimizer, place.param);
     if (state == nullptr) continue;
@@ -467,13 +499,14 @@ void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
     throw InputError("checkpoint '" + checkpoint.string() + "' has no optimizer state");
   }
   const torch::NoGradGuard no_grad;
+  const FirstCopies first_copies(model, parallel);
   for (const auto& [name, place] : param_placements(*model)) {
     auto fresh = std::make_unique<torch::optim::AdamWParamState>();
     fresh->step(state.step);
     auto exp_avg = torch::zeros_like(place.param, at::MemoryFormat::Contiguous);
     auto exp_avg_sq = torch::zeros_like(place.param, at::MemoryFormat::Contiguous);
     if (place.rows > 0) {
-      const Block block = block_of(name, place, model, parallel);
+      const Block block = block_of(name, place, model, first_copies);
       const auto target = [&](at::Tensor& t) { return t.dim() == 0 ? t.view({1}) : t; };
       rows.read(name + "/exp_avg", block.row_offset, place.rows, block.col_offset, target(exp_avg));
       rows.read(name + "/exp_avg_sq", block.row_offset, place.rows, block.col_offset,

@@ -9,8 +9,10 @@
 // mid-save leaves the previous checkpoint intact and `latest` never names a partial one.
 // The optimizer state is stored by blocks of the full (HF-layout) parameters: rows, and for a
 // tensor-parallel row-parallel weight also columns, each written by the one rank that holds
-// the first copy; so a checkpoint written on one (dp, tp) layout resumes on any other. The
-// directory must be on a file system every rank sees.
+// the first copy; experts split by expert parallelism under their global names, by the ranks
+// holding them (the first of their expert-data-parallel group for a whole one). So a checkpoint
+// written on one (dp, tp) or (dp, ep) layout resumes on any other. The directory must be on a
+// file system every rank sees.
 #include <cstdint>
 #include <filesystem>
 #include <optional>

@@ -118,6 +118,15 @@ std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
                                                   const FullStateDictOptions& options) {
   std::map<std::string, at::Tensor> state;
   const bool keep = options.keep.value_or(!options.rank0_only || is_master());
+  const auto wanted = [&](const std::string& name) {
+    return keep && (!options.only || options.only(name));
+  };
+  // The parameters this rank keeps: every other gathered tensor is dropped as soon as its
+  // unit's gather returns, so a rank that keeps nothing never holds more than one unit whole.
+  std::set<const at::TensorImpl*> kept;
+  for (const auto& item : model.named_parameters()) {
+    if (wanted(item.key())) kept.insert(item.value().unsafeGetTensorImpl());
+  }
   const c10::Device cpu(c10::kCPU);
   std::set<const detail::FsdpParamGroup*> gathered_units;
   std::map<const at::TensorImpl*, at::Tensor> gathered;  // shard -> full
@@ -129,16 +138,18 @@ std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
     const auto& unit = *managed->unit;
     const auto full = unit.gather_full_parameters(options.cpu ? cpu : unit.shard_device);
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
-      gathered[unit.params[i].shard_key()] = full[i];
+      if (kept.contains(unit.params[i].shard_key())) gathered[unit.params[i].shard_key()] = full[i];
     }
   }
   if (!keep) return state;
   for (const auto& item : model.named_parameters()) {
+    if (!wanted(item.key())) continue;
     const auto it = gathered.find(item.value().unsafeGetTensorImpl());
     at::Tensor value = it != gathered.end() ? it->second : item.value().detach().clone();
     state[item.key()] = options.cpu ? value.to(cpu) : value;
   }
   for (const auto& item : model.named_buffers()) {
+    if (!wanted(item.key())) continue;
     const at::Tensor value = item.value().detach().clone();
     state[item.key()] = options.cpu ? value.to(cpu) : value;
   }

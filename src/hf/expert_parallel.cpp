@@ -86,4 +86,14 @@ void shard_experts(CausalLM& model, const Group& expert_data_parallel, int data_
   }
 }
 
+std::vector<std::pair<std::string, const ExpertsImpl*>> named_experts(CausalLM& model) {
+  std::vector<std::pair<std::string, const ExpertsImpl*>> found;
+  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+    if (const auto* experts = dynamic_cast<const ExpertsImpl*>(item.value().get())) {
+      found.emplace_back(item.key(), experts);
+    }
+  }
+  return found;
+}
+
 }  // namespace mdist::hf

@@ -1,11 +1,16 @@
 // save_pretrained / load_pretrained: config.json and safetensors in a checkpoint directory.
 #include "mdist/hf/pretrained.h"
 
+#include <algorithm>
 #include <exception>
+#include <functional>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
@@ -15,6 +20,8 @@
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
 #include "mdist/objects/collectives.h"
+#include "mdist/runtime/c10d.h"
+#include "mdist/runtime/device.h"
 #include "mdist/runtime/runtime.h"
 #include "src/hf/dtypes.h"
 
@@ -114,20 +121,155 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
   return unexpected;
 }
 
-void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
-                     std::uint64_t max_shard_bytes) {
-  // Gathering is over the FSDP groups only: rank 0 would write its own experts and not the
-  // others'. Refused, rather than a checkpoint that silently lacks experts.
-  for (const auto& layer : model->model->decoder_layers) {
-    if (layer->moe && layer->moe->experts->expert_parallel) {
-      throw Error(
-          "mdist: save_pretrained: the experts are split over an expert-parallel group "
-          "(hf::parallelize_experts); saving such a model is not supported yet");
+namespace {
+
+// The expert-parallel group the experts are split over (hf::parallelize_experts), if they are.
+std::optional<Group> expert_parallel_group(CausalLM& model) {
+  for (const auto& [prefix, experts] : named_experts(model)) {
+    if (experts->expert_parallel) return experts->expert_parallel;
+  }
+  return std::nullopt;
+}
+
+// The bytes of a tensor as a 1-D uint8 tensor, so that any dtype travels bit for bit.
+at::Tensor bytes_of(const at::Tensor& tensor) {
+  return tensor.contiguous().reshape({-1}).view(at::kByte);
+}
+
+// Under expert parallelism, on the ranks of the expert-parallel group `group` holding world
+// rank 0: `local` holds this rank's experts whole (on rank 0 also the rest of the model); on
+// rank 0 the result adds every other rank's experts under their global names (the other ranks
+// get an empty dict). Each expert tensor is gathered to rank 0 on its own, as bytes: the other
+// ranks only send, dropping each tensor once it is sent, and never hold another rank's
+// experts. Collective over `group`.
+std::map<std::string, at::Tensor> gather_experts(CausalLM& model,
+                                                 std::map<std::string, at::Tensor> local,
+                                                 const Group& group) {
+  constexpr const char* kOp = "mdist: save_pretrained";
+  const std::vector<int> members = group.ranks();
+  const int root = static_cast<int>(std::find(members.begin(), members.end(), 0) - members.begin());
+  const int me = rank(group);
+  const int ranks = static_cast<int>(members.size());
+  // One entry per expert tensor, in the same order on every rank. Every rank must hold as
+  // many experts of the same shapes and dtypes: checked on all ranks alike before anything is
+  // gathered, as a mismatch would pair unrelated tensors or leave a rank waiting.
+  struct Entry {
+    std::string prefix;  // the block's experts
+    int64_t index;       // within this rank's experts of the block
+    int64_t count;       // experts per rank in the block
+    std::string param;   // within the expert ("gate_proj.weight")
+    std::string name(int r) const {
+      return prefix + "." + std::to_string(r * count + index) + "." + param;
+    }
+  };
+  std::vector<Entry> entries;
+  std::string signature;
+  std::optional<std::string> problem;
+  for (const auto& [prefix, experts] : named_experts(model)) {
+    const auto count = static_cast<int64_t>(experts->local.size());
+    // parallelize_experts gives group rank r experts [r E/ep, (r+1) E/ep): the names of the
+    // other ranks' tensors are computed from that.
+    if (experts->first != me * count && !problem) {
+      problem = "'" + prefix + "' holds experts from " + std::to_string(experts->first) +
+                " on rank " + std::to_string(me) + " of " + group.name() + ", not from " +
+                std::to_string(me * count);
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      for (const auto& param : experts->local[static_cast<std::size_t>(i)]->named_parameters()) {
+        Entry entry{prefix, i, count, param.key()};
+        const auto it = local.find(entry.name(me));
+        if (it == local.end()) {
+          if (!problem) problem = "'" + entry.name(me) + "' was not gathered";
+          continue;
+        }
+        signature += prefix + "[" + std::to_string(i) + "]." + param.key() +
+                     shape_text(it->second.sizes()) + detail::dtype_name(it->second.scalar_type()) +
+                     ";";
+        entries.push_back(std::move(entry));
+      }
     }
   }
+  const auto problems = allgather(problem, group);
+  const auto signatures = allgather(signature, group);
+  for (int r = 0; r < ranks; ++r) {
+    const auto& theirs = problems[static_cast<std::size_t>(r)];
+    if (theirs) throw Error(std::string(kOp) + ": " + *theirs);
+    if (signatures[static_cast<std::size_t>(r)] != signature) {
+      throw Error(std::string(kOp) + ": the ranks of " + group.name() +
+                  " do not hold experts of the same count, shapes and dtypes (group rank " +
+                  std::to_string(r) + " differs from group rank " + std::to_string(me) + ")");
+    }
+  }
+  const auto pg = process_group(group);
+  const c10::Device device = compute_device();
+  c10d::GatherOptions options;
+  options.rootRank = root;
+  options.timeout = group.timeout();
+  std::map<std::string, at::Tensor> whole;
+  for (const Entry& entry : entries) {
+    const auto it = local.find(entry.name(me));
+    const at::Tensor mine = it->second;
+    if (me != root) {
+      if (mine.numel() > 0) {
+        std::vector<std::vector<at::Tensor>> none;
+        std::vector<at::Tensor> input = {bytes_of(mine.to(device))};
+        wait(pg->gather(none, input, options), group, "save_pretrained (experts)");
+      }
+      local.erase(it);  // sent: this rank no longer holds it
+      continue;
+    }
+    std::vector<std::vector<at::Tensor>> received(1);
+    std::vector<at::Tensor> input = {bytes_of(mine.to(device))};
+    for (int r = 0; r < ranks; ++r) {
+      received[0].push_back(at::empty_like(input[0]));
+    }
+    if (mine.numel() > 0) {
+      wait(pg->gather(received, input, options), group, "save_pretrained (experts)");
+    }
+    for (int r = 0; r < ranks; ++r) {
+      if (r == root) continue;
+      whole[entry.name(r)] = received[0][static_cast<std::size_t>(r)]
+                                 .to(mine.device())
+                                 .view(mine.scalar_type())
+                                 .view(mine.sizes());
+    }
+  }
+  if (me != root) return {};
+  whole.merge(local);
+  return whole;
+}
+
+}  // namespace
+
+void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
+                     std::uint64_t max_shard_bytes) {
   std::map<std::string, at::Tensor> tensors;
   const auto& plan = model->tensor_parallel;
-  if (plan && plan->size() > 1) {
+  if (const auto expert_parallel = expert_parallel_group(model)) {
+    // The ranks of the expert-parallel group holding rank 0 gather their own experts whole (the
+    // FSDP gather is over their expert-data-parallel groups), rank 0 also the rest of the
+    // model; then rank 0 collects the others' experts over the expert-parallel group.
+    const std::vector<int> members = expert_parallel->ranks();
+    const bool holds_rank0 = std::find(members.begin(), members.end(), 0) != members.end();
+    std::set<std::string> experts;
+    for (const auto& [prefix, module] : named_experts(model)) {
+      for (const auto& param : module->named_parameters()) {
+        experts.insert(prefix + "." + param.key());
+      }
+    }
+    const auto needed = [&](const std::string& name) {
+      return is_master() || experts.contains(name);
+    };
+    std::map<std::string, at::Tensor> local;
+    if (is_fsdp2_model(*model)) {
+      local = full_state_dict(*model, {.cpu = true, .keep = holds_rank0, .only = needed});
+    } else if (holds_rank0) {
+      for (const auto& item : model->named_parameters()) {
+        if (needed(item.key())) local[item.key()] = item.value().detach();
+      }
+    }
+    if (holds_rank0) tensors = gather_experts(model, std::move(local), *expert_parallel);
+  } else if (plan && plan->size() > 1) {
     // Each tensor-parallel rank of the group holding rank 0 gathers its own part whole, then
     // the parts are joined into the HF layout on rank 0.
     std::map<std::string, at::Tensor> local;

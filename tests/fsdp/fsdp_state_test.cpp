@@ -128,6 +128,24 @@ TEST(StateDict, FullRoundTripMatchesTheReference) {
   EXPECT_LT(rel_diff(loaded->forward(x), reference->forward(x)), 1e-6);
 }
 
+// `only`: each rank keeps just the keys it asks for (here a different one per rank), gathered
+// whole, while every unit is still gathered collectively.
+TEST(StateDict, FullStateDictKeepsOnlyTheAcceptedKeys) {
+  Mlp reference = seeded_model();
+  Mlp model = seeded_model();
+  wrap(model);
+  const std::string wanted = mdist::rank() % 2 == 0 ? "fc2.weight" : "fc3.bias";
+  const auto kept = mdist::full_state_dict(
+      *model, {.keep = true, .only = [&](const std::string& name) { return name == wanted; }});
+  ASSERT_EQ(kept.size(), 1u);
+  ASSERT_TRUE(kept.contains(wanted));
+  EXPECT_TRUE(torch::equal(kept.at(wanted), reference_params(reference).at(wanted)));
+  // A rank that keeps nothing gets nothing, whatever `only` says.
+  EXPECT_TRUE(mdist::full_state_dict(
+                  *model, {.keep = false, .only = [](const std::string&) { return true; }})
+                  .empty());
+}
+
 TEST(StateDict, ShardedRoundTrip) {
   Mlp model = seeded_model();
   wrap(model);

@@ -1,6 +1,6 @@
 // Expert parallelism of hf::CausalLM mixtures of experts (run by mdistrun with 1-4 ranks):
 // every (dp, ep) layout the world allows gives the logits of the unsplit model, trains like one
-// process on the global batch, and holds only its own experts.
+// process on the global batch, holds only its own experts, and saves as the unsplit model.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -9,6 +9,9 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -16,6 +19,7 @@
 #include "mdist/hf/expert_parallel.h"
 #include "mdist/hf/fsdp2_wrap.h"
 #include "mdist/hf/pretrained.h"
+#include "mdist/hf/safetensors.h"
 #include "mdist/mdist.h"
 #include "tests/support/error_of.h"
 
@@ -62,6 +66,50 @@ Split split(CausalLM& model, int ep, bool wrap) {
     mdist::fsdp2_wrap(*model);
   }
   return s;
+}
+
+// A fresh directory name under the temporary directory, the same on every rank.
+std::filesystem::path temp_dir(const std::string& stem) {
+  return mdist::broadcast(
+      (std::filesystem::temp_directory_path() / (stem + "-" + std::to_string(::getpid())))
+          .string());
+}
+
+// `dir` loaded by load_pretrained_fsdp2 in the (W, ep) layout.
+CausalLM load_in_layout(const std::filesystem::path& dir, int ep) {
+  mdist::hf::Fsdp2LoadOptions options;
+  options.parallel = mdist::make_parallel_state({.expert_model_parallel = ep});
+  options.expert_data_parallel =
+      mdist::make_expert_data_parallel_group({.expert_model_parallel = ep});
+  return mdist::hf::load_pretrained_fsdp2(dir, options);
+}
+
+std::string file_text(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Every tensor a saved checkpoint directory holds.
+std::map<std::string, at::Tensor> saved_tensors(const std::filesystem::path& dir) {
+  const mdist::hf::SafetensorsCheckpoint checkpoint(dir);
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& name : checkpoint.names()) tensors[name] = checkpoint.tensor(name).clone();
+  return tensors;
+}
+
+std::vector<std::string> keys_of(const std::map<std::string, at::Tensor>& tensors) {
+  std::vector<std::string> keys;
+  for (const auto& [name, tensor] : tensors) keys.push_back(name);
+  return keys;
+}
+
+// The same dtype, shape and bytes.
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) return false;
+  const auto bytes = [](const at::Tensor& t) {
+    return t.cpu().contiguous().reshape({-1}).view(at::kByte);
+  };
+  return torch::equal(bytes(a), bytes(b));
 }
 
 class ExpertParallel : public ::testing::TestWithParam<std::string> {};
@@ -179,15 +227,11 @@ TEST_P(ExpertParallel, EachRankHoldsOnlyItsOwnExperts) {
 
 // A checkpoint saved without expert parallelism, loaded by load_pretrained_fsdp2 in every
 // (dp, ep) layout: each rank builds on the meta device, keeps and reads only its own experts,
-// and the logits are the saved model's. Saving a split model is refused (rank 0 would hold only
-// its own experts), not written without the others.
-TEST_P(ExpertParallel, LoadPretrainedFsdp2ReadsOnlyItsExpertsAndSavingIsRefused) {
+// and the logits are the saved model's.
+TEST_P(ExpertParallel, LoadPretrainedFsdp2ReadsOnlyItsExperts) {
   const LlamaConfig config = fixture_config(GetParam(), 12);
   CausalLM reference = seeded(config);
-  const std::filesystem::path dir =
-      mdist::broadcast((std::filesystem::temp_directory_path() /
-                        ("mdist-ep-load-" + std::to_string(::getpid()) + "-" + GetParam()))
-                           .string());
+  const std::filesystem::path dir = temp_dir("mdist-ep-load-" + GetParam());
   if (mdist::is_master()) mdist::hf::save_pretrained(reference, dir);
   mdist::barrier();
   torch::manual_seed(3);
@@ -198,11 +242,7 @@ TEST_P(ExpertParallel, LoadPretrainedFsdp2ReadsOnlyItsExpertsAndSavingIsRefused)
     expected = reference->forward(ids);
   }
   for (const int ep : layouts(config.moe->num_experts)) {
-    mdist::hf::Fsdp2LoadOptions options;
-    options.parallel = mdist::make_parallel_state({.expert_model_parallel = ep});
-    options.expert_data_parallel =
-        mdist::make_expert_data_parallel_group({.expert_model_parallel = ep});
-    CausalLM loaded = mdist::hf::load_pretrained_fsdp2(dir, options);
+    CausalLM loaded = load_in_layout(dir, ep);
     const int64_t first = mdist::rank() % ep * (config.moe->num_experts / ep);
     for (const auto& layer : loaded->model->decoder_layers) {
       if (!layer->moe) continue;
@@ -210,19 +250,92 @@ TEST_P(ExpertParallel, LoadPretrainedFsdp2ReadsOnlyItsExpertsAndSavingIsRefused)
       EXPECT_EQ(static_cast<int64_t>(layer->moe->experts->local.size()),
                 config.moe->num_experts / ep);
     }
-    {
-      const at::NoGradGuard no_grad;
-      EXPECT_LT((loaded->forward(ids) - expected).abs().max().item<double>(), 1e-5) << "ep " << ep;
-    }
-    if (ep > 1) {
-      EXPECT_THAT(mdist::testing::error_of(
-                      [&] { mdist::hf::save_pretrained(loaded, dir.string() + "-not-written"); }),
-                  HasSubstr("saving such a model is not supported yet"));
-      EXPECT_FALSE(std::filesystem::exists(dir.string() + "-not-written"));
-    }
+    const at::NoGradGuard no_grad;
+    EXPECT_LT((loaded->forward(ids) - expected).abs().max().item<double>(), 1e-5) << "ep " << ep;
   }
   mdist::barrier();
   if (mdist::is_master()) std::filesystem::remove_all(dir);
+}
+
+// save_pretrained of a model whose experts are split, in every (dp, ep) layout, unwrapped and
+// under FSDP, in fp32 and in bf16 with fp32 routers: rank 0 writes every expert, and the
+// checkpoint is the unsplit model's, tensor for tensor bit for bit (and config.json byte for
+// byte). It loads in one process (hf::load_pretrained) as the unsplit model, and under another
+// (dp, ep) layout gives the unsplit model's logits.
+TEST_P(ExpertParallel, SavePretrainedWritesEveryExpertAsTheUnsplitModel) {
+  const LlamaConfig config = fixture_config(GetParam(), 12);
+  const std::vector<int> eps = layouts(config.moe->num_experts);
+  const std::filesystem::path base = temp_dir("mdist-ep-save-" + GetParam());
+  torch::manual_seed(3);
+  const at::Tensor ids = torch::randint(0, config.vocab_size, {2, 8});
+  for (const bool bf16 : {false, true}) {
+    const auto make = [&] {
+      CausalLM model = seeded(config);
+      if (bf16) {
+        model->to(at::kBFloat16);
+        for (auto& layer : model->model->decoder_layers) {
+          if (layer->moe) layer->moe->gate->to(at::kFloat);
+        }
+      }
+      return model;
+    };
+    CausalLM reference = make();
+    const std::filesystem::path unsplit = base / (bf16 ? "unsplit-bf16" : "unsplit");
+    if (mdist::is_master()) mdist::hf::save_pretrained(reference, unsplit);
+    mdist::barrier();
+    at::Tensor expected;
+    {
+      const at::NoGradGuard no_grad;
+      expected = reference->forward(ids).to(at::kFloat);
+    }
+    for (std::size_t l = 0; l < eps.size(); ++l) {
+      const int ep = eps[l];
+      for (const bool wrap : {false, true}) {
+        const std::string what =
+            "ep " + std::to_string(ep) + (wrap ? " with FSDP" : "") + (bf16 ? " in bf16" : "");
+        const std::filesystem::path dir =
+            base / ("ep" + std::to_string(ep) + (wrap ? "-fsdp" : "") + (bf16 ? "-bf16" : ""));
+        {
+          CausalLM model = make();
+          split(model, ep, wrap);
+          mdist::hf::save_pretrained(model, dir);
+        }
+        mdist::barrier();
+        if (mdist::is_master()) {
+          EXPECT_EQ(file_text(dir / "config.json"), file_text(unsplit / "config.json")) << what;
+          const auto got = saved_tensors(dir), want = saved_tensors(unsplit);
+          EXPECT_EQ(keys_of(got), keys_of(want)) << what;
+          for (const auto& [name, tensor] : want) {
+            const auto it = got.find(name);
+            if (it == got.end()) continue;
+            EXPECT_TRUE(same_bits(it->second, tensor)) << what << ": " << name;
+          }
+          // One process loads it as the unsplit model (built in fp32: bf16 values convert
+          // exactly).
+          CausalLM loaded = mdist::hf::load_pretrained(dir);
+          const auto params = reference->named_parameters();
+          for (const auto& item : loaded->named_parameters()) {
+            const at::Tensor value = item.value().detach();
+            EXPECT_TRUE(same_bits(value, params[item.key()].detach().to(value.scalar_type())))
+                << what << ": loaded " << item.key();
+          }
+        }
+        // Another (dp, ep) layout loads it (fp32 only: load_pretrained_fsdp2 builds the
+        // config's dtype) and gives the unsplit model's logits.
+        if (!bf16) {
+          const int other = eps[(l + 1) % eps.size()];
+          CausalLM loaded = load_in_layout(dir, other);
+          const at::NoGradGuard no_grad;
+          EXPECT_LT((loaded->forward(ids) - expected).abs().max().item<double>(), 1e-5)
+              << what << ", loaded with ep " << other;
+        }
+        mdist::barrier();
+        if (mdist::is_master()) std::filesystem::remove_all(dir);
+      }
+    }
+  }
+  mdist::barrier();
+  if (mdist::is_master()) std::filesystem::remove_all(base);
 }
 
 TEST_P(ExpertParallel, BadInput) {

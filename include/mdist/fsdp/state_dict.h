@@ -36,6 +36,11 @@ struct FullStateDictOptions {
   // Whether this rank keeps the dict, overriding rank0_only (e.g. every rank of the
   // tensor-parallel group that holds global rank 0, for hf::TensorParallelPlan::gather).
   std::optional<bool> keep = std::nullopt;
+  // When set, a keeping rank's dict holds only the parameters and buffers this accepts (by
+  // key); the others are still gathered (the gathers are collective) but dropped at once, so a
+  // rank that needs a few tensors (e.g. its experts, hf::save_pretrained under expert
+  // parallelism) never holds the rest of the model whole.
+  std::function<bool(const std::string& name)> only = nullptr;
 };
 // Gathers every parameter whole (collective: every rank calls it).
 std::map<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,

@@ -14,6 +14,9 @@
 // share of it): the routers, attention, dense layers and embeddings see every token as before,
 // and each expert's gradient sums all ranks' tokens that chose it.
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/hf/causal_lm.h"
@@ -37,5 +40,11 @@ void parallelize_experts(CausalLM& model, const Group& expert_parallel);
 void shard_experts(CausalLM& model, const Group& expert_data_parallel, int data_parallel_size,
                    const std::optional<MixedPrecisionPolicy>& mp_policy = std::nullopt,
                    bool cpu_offload = false);
+
+// Every sparse block's routed experts, in the model's order, with the prefix of their
+// parameters' names ("model.layers.0.mlp.experts"; the experts' own names follow: "5.up_proj.
+// weight"): to find the parameters of split experts by name and the group they are split over
+// (ExpertsImpl::expert_parallel). Empty for a dense model.
+std::vector<std::pair<std::string, const ExpertsImpl*>> named_experts(CausalLM& model);
 
 }  // namespace mdist::hf

@@ -14,9 +14,11 @@
 
 namespace mdist::hf {
 
-// Writes `model` (wrapped by fully_shard or not, split by hf::parallelize or not) to `dir` in
-// the ordinary HF layout. A sharded or split model is gathered first: collective, every rank
-// calls it; rank 0 writes. Every file is written atomically.
+// Writes `model` (wrapped by fully_shard or not, split by hf::parallelize or by
+// hf::parallelize_experts or not) to `dir` in the ordinary HF layout. A sharded or split model
+// is gathered first: collective, every rank calls it; rank 0 writes, and under expert
+// parallelism collects the other ranks' experts one tensor at a time (the other ranks never
+// hold more than their own). Every file is written atomically.
 void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
                      std::uint64_t max_shard_bytes = std::uint64_t{5} << 30);
 
@@ -58,7 +60,7 @@ struct Fsdp2LoadOptions {
   // same experts (mdist::make_expert_data_parallel_group); each rank keeps and reads only its
   // own experts (hf::parallelize_experts, hf::shard_experts). Required then, as every group
   // is made collectively by the caller, never inside the load.
-  std::optional<Group> expert_data_parallel;
+  std::optional<Group> expert_data_parallel = std::nullopt;
 };
 
 // Builds the model from dir/config.json on the meta device, fsdp2_wrap's it, then each rank
