@@ -123,7 +123,7 @@ def spread(values, fmt="{:.0f}"):
         return "n/a"
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
 print(f"`mdist train --ep` on a Qwen3-MoE ({py_ok[0]['params'] if py_ok else '?'} parameters: "
-      f"{layers} sparse layers of {config['num_experts']} experts, top-{k}, hidden {hidden}, "
+      f"{layers} sparse layers of {config.get('num_experts', config.get('num_local_experts'))} experts, top-{k}, hidden {hidden}, "
       f"vocab {config['vocab_size']}, fp32) on {world} ranks")
 print(f"vs transformers Qwen3MoeForCausalLM + torch fully_shard over all ranks (Python, no EP"
       + (f"; torch {py_ok[0]['torch']}, transformers {py_ok[0]['transformers']}" if py_ok else "")
