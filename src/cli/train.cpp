@@ -8,6 +8,7 @@
 #include <limits>
 #include <sstream>
 
+#include "mdist/ep/dispatch.h"
 #include "mdist/fsdp/state_dict.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
@@ -302,6 +303,7 @@ int run_train(const TrainOptions& o) {
     const double lr = schedule.at(step);
     set_lr(*optimizer, lr);
     optimizer->zero_grad();
+    const int64_t sent_before = ep::all_to_all_bytes();
     const at::Tensor logits = model->forward(ids);
     // With tensor parallelism the logits are this rank's vocabulary columns; the loss is the
     // whole vocabulary's (vocab-parallel cross entropy), the same on every rank of the group.
@@ -319,14 +321,19 @@ int run_train(const TrainOptions& o) {
     // loss, each as many times). The loss and the global gradient norm are the same on every
     // rank, so every rank takes the same decision on a non-finite step.
     // A mixture of experts also reports its load-balancing loss (the ranks' mean, as the loss).
+    // Under expert parallelism, also the bytes each rank sent to others by all-to-all in
+    // the step (tokens to their experts and back, forward and backward).
     const auto reports =
-        allgather(std::tuple{loss.item<double>(), peak_rss_mib(), moe ? aux.item<double>() : 0.0});
+        allgather(std::tuple{loss.item<double>(), peak_rss_mib(), moe ? aux.item<double>() : 0.0,
+                             ep::all_to_all_bytes() - sent_before});
     double mean_loss = 0, mean_aux = 0;
     std::vector<double> peaks;
-    for (const auto& [rank_loss, peak, rank_aux] : reports) {
+    std::vector<int64_t> sent;
+    for (const auto& [rank_loss, peak, rank_aux, rank_sent] : reports) {
       mean_loss += rank_loss / world;
       mean_aux += rank_aux / world;
       peaks.push_back(peak);
+      sent.push_back(rank_sent);
     }
     const bool finite =
         std::isfinite(mean_loss) && std::isfinite(mean_aux) && std::isfinite(grad_norm);
@@ -368,6 +375,7 @@ int run_train(const TrainOptions& o) {
         line["aux_loss"] =
             std::isfinite(mean_aux) ? nlohmann::json(mean_aux) : nlohmann::json(nullptr);
         line["router_aux_loss_coef"] = moe->router_aux_loss_coef;
+        if (layout.expert_parallel() > 1) line["all_to_all_bytes"] = sent;
       }
       if (o.skip_nonfinite) {
         line["skipped"] = !finite;

@@ -48,11 +48,21 @@ double clip(torch::nn::Module& model, double max_norm, double norm_type,
     auto& bucket =
         parts[{static_cast<int>(grad.device().type()), static_cast<int>(grad.device().index())}];
     if (const auto managed = detail::find_managed(param)) {
-      const bool mixed = scope != nullptr && scope->mixed_units;
-      if (group && !(*group == managed->unit->options.group) && !mixed) {
-        throw Error("mdist: clip_grad_norm_: the model's units use different groups");
+      const Group& unit_group = managed->unit->options.group;
+      if (group && !(*group == unit_group)) {
+        // Expert parallelism: experts over their expert-data-parallel group, the rest over
+        // data parallel. Only a scope says which ranks' shards add up to the whole.
+        if (scope == nullptr) {
+          throw Error(
+              "mdist: clip_grad_norm_: the model's units use different groups; pass a "
+              "GradNormScope whose group spans them (hf::clip_grad_norm_ does for expert "
+              "parallelism)");
+        }
+        // Whole parameters belong to the widest group's units (the data-parallel one).
+        if (size(unit_group) > size(*group)) group = unit_group;
+      } else if (!group) {
+        group = unit_group;
       }
-      group = managed->unit->options.group;
       bucket.sharded.push_back(std::move(part));
     } else {
       bucket.replicated.push_back(std::move(part));
@@ -74,9 +84,7 @@ double clip(torch::nn::Module& model, double max_norm, double norm_type,
   // Whole parameters are the same on every rank of their unit's group: counted on its rank 0
   // (without units and without a scope, on rank 0 of the world; with a scope, where it says).
   const Group over = scope != nullptr ? scope->group : group.value_or(Group::world());
-  const bool whole_here = scope != nullptr && scope->mixed_units
-                              ? true
-                              : (group ? is_master(*group) : (scope != nullptr || is_master(over)));
+  const bool whole_here = group ? is_master(*group) : (scope != nullptr || is_master(over));
   double total = 0;
   if (inf) {
     total = allreduce(std::max(sharded, replicated), "max", over);

@@ -186,17 +186,29 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& chos
                                   return mdist::nn::call(local[static_cast<std::size_t>(i)], rows);
                                 });
   }
+  // As transformers' loop: each chosen expert in ascending order, its rows by (slot, token),
+  // its weighted output added to its tokens (index_add per expert: within one expert a token
+  // appears once, so the sums are in expert order on any device, bf16 included). The rows are
+  // sorted by expert and gathered once: a per-expert mask, nonzero and gather cost more than
+  // the experts' matrix products on small batches.
+  const int64_t n_tokens = tokens.size(0);
+  const at::Tensor flat = chosen.t().reshape({-1});  // position slot * N + token
+  const at::Tensor order = std::get<1>(flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const at::Tensor token = order.remainder(n_tokens);
+  const at::Tensor slot_weight = weights.index({token, order.div(n_tokens, "floor")}).unsqueeze(-1);
+  const at::Tensor counts = at::bincount(flat, {}, num_experts).cpu().contiguous();
+  const int64_t* count = counts.data_ptr<int64_t>();
+  const at::Tensor rows = tokens.index_select(0, token);
   at::Tensor out = at::zeros_like(tokens);
-  const at::Tensor slots_by_expert = chosen.t();  // [top_k, N]
-  const at::Tensor hit = std::get<0>(at::_unique(chosen.flatten(), /*sorted=*/true)).cpu();
-  for (const int64_t e :
-       std::vector<int64_t>(hit.data_ptr<int64_t>(), hit.data_ptr<int64_t>() + hit.numel())) {
-    const at::Tensor where = at::nonzero(slots_by_expert.eq(e));  // rows (slot, token)
-    const at::Tensor slot = where.select(1, 0), token = where.select(1, 1);
+  int64_t start = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t n = count[e];
+    if (n == 0) continue;
     const at::Tensor y =
-        mdist::nn::call(local[static_cast<std::size_t>(e)], tokens.index_select(0, token));
-    const at::Tensor scaled = y * weights.index({token, slot}).unsqueeze(-1);
-    out = out.index_add(0, token, scaled.to(out.scalar_type()));
+        mdist::nn::call(local[static_cast<std::size_t>(e)], rows.narrow(0, start, n));
+    const at::Tensor scaled = y * slot_weight.narrow(0, start, n);
+    out = out.index_add(0, token.narrow(0, start, n), scaled.to(out.scalar_type()));
+    start += n;
   }
   return out;
 }

@@ -5,15 +5,12 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <map>
 #include <set>
 #include <string>
 #include <utility>
 
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
-#include "mdist/fsdp/state_dict.h"
-#include "mdist/hf/expert_parallel.h"
 #include "mdist/nn/hooks.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/c10d.h"
@@ -351,25 +348,19 @@ at::Tensor full_logits(const CausalLM& model, const at::Tensor& logits) {
 }
 
 double clip_grad_norm_(CausalLM& model, double max_norm, double norm_type) {
-  // Expert parallelism: the experts' units shard over their expert-data-parallel groups, the
-  // rest over the data-parallel group (the world: expert parallelism excludes tensor
-  // parallelism). Every shard counts where it is (the experts' rows are spread over their
-  // groups, and each rank holds different experts); a whole parameter counts on one rank: an
-  // expert on the first of its expert-data-parallel group, anything else on rank 0.
-  if (const auto experts = split_expert_parameters(model); !experts.empty()) {
-    std::map<std::string, bool> counted;
-    for (const auto& [name, place] : param_placements(*model)) {
-      const auto expert = experts.find(name);
-      counted[name] = place.sharded || (expert != experts.end() ? expert->second : is_master());
-    }
+  const auto& plan = model->tensor_parallel;
+  const bool split_experts = std::any_of(
+      model->model->decoder_layers.begin(), model->model->decoder_layers.end(),
+      [](const auto& layer) { return layer->moe && layer->moe->experts->expert_parallel; });
+  if (split_experts) {
+    // Every element of every gradient is held by one rank of the world (experts: one
+    // expert-parallel rank's, sharded over its expert-data-parallel group; the rest sharded
+    // over data parallel, which is the world: tensor parallelism of MoE layers is refused).
     GradNormScope scope;
-    scope.counted = [counted = std::move(counted)](const std::string& name) {
-      return counted.at(name);
-    };
-    scope.mixed_units = true;
+    scope.counted = [](const std::string&) { return true; };
+    scope.group = Group::world();
     return mdist::clip_grad_norm_(*model, max_norm, norm_type, scope);
   }
-  const auto& plan = model->tensor_parallel;
   if (!plan || plan->size() == 1) return mdist::clip_grad_norm_(*model, max_norm, norm_type);
   GradNormScope scope;
   scope.counted = [&plan](const std::string& name) { return plan->placement(name).primary; };

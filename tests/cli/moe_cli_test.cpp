@@ -259,6 +259,26 @@ TEST_F(MdistMoe, BadExpertParallelSizesAreOneLine) {
   }
 }
 
+// eval's loss on a MoE does not depend on the expert-parallel layout (each expert's rows are
+// computed on its rank; padding forwards of ranks without sequences change nothing).
+TEST_F(MdistMoe, EvalIsTheSameOnEveryExpertParallelLayout) {
+  const auto model = moe_model("moe", 8);
+  const auto single = dir_ / "np1.json";
+  auto r =
+      mdist(1, {"eval", "--model", model.string(), "--seq-len", "32", "--out", single.string()});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const double loss = read_json(single)["loss"].get<double>();
+  for (const int ep : {2, 4}) {
+    const auto out = dir_ / ("ep" + std::to_string(ep) + ".json");
+    r = mdist(4, {"eval", "--model", model.string(), "--seq-len", "32", "--ep", std::to_string(ep),
+                  "--out", out.string()});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const auto result = read_json(out);
+    EXPECT_NEAR(result["loss"].get<double>(), loss, 1e-9 * loss) << "ep " << ep;
+    EXPECT_EQ(result["tokens"], read_json(single)["tokens"]);
+  }
+}
+
 // `mdist info --ep` lists the expert-parallel and expert-data-parallel groups.
 TEST_F(MdistMoe, InfoShowsTheExpertGroups) {
   const RunResult r = mdist(4, {"info", "--ep", "2"});

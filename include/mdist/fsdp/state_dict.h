@@ -94,14 +94,13 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
 // whether this rank's copy of a parameter counts in the norm (false for the copies a
 // tensor-parallel replica also holds), and the norm is summed over `group`, which must span
 // every rank holding a distinct part (the world for TP x FSDP). A whole parameter of a unit
-// counts on its unit group's rank 0; without units, wherever `counted` says.
-// With `mixed_units` the units may shard over different groups (expert parallelism: the
-// experts over their expert-data-parallel group, the rest over the data-parallel group), and
-// `counted` alone says where a whole parameter counts (a sharded one must count everywhere).
+// counts on its unit group's rank 0; without units, wherever `counted` says. With a scope the
+// units may use different groups (expert parallelism: experts sharded over their
+// expert-data-parallel group, the rest over data parallel); whole parameters then count on
+// rank 0 of the widest of them.
 struct GradNormScope {
   std::function<bool(const std::string& name)> counted;
   Group group = Group::world();
-  bool mixed_units = false;
 };
 double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type,
                        const GradNormScope& scope);

@@ -107,8 +107,8 @@ at::Tensor full_logits(const CausalLM& model, const at::Tensor& logits);
 // global norm counts each distinct value once (split parts summed over the tensor-parallel
 // and data-parallel ranks, replicated ones once). Wrapped, the data-parallel x
 // tensor-parallel ranks must be the world. Under expert parallelism (hf::parallelize_experts,
-// hf::shard_experts) each expert counts once too: its shards over its expert-data-parallel
-// group, a whole one on the first rank of that group.
+// hf::shard_experts) each expert counts once too (its shards over its expert-data-parallel
+// group).
 double clip_grad_norm_(CausalLM& model, double max_norm, double norm_type = 2.0);
 
 }  // namespace mdist::hf

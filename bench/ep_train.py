@@ -1,0 +1,133 @@
+"""PyTorch reference for `mdist train --ep` on a small Qwen3-MoE (bench/ep_train.sh): the same
+training loop as bench/train_cli.py, on transformers' Qwen3MoeForCausalLM loaded from the same
+directory, FSDP2 over every rank (no expert parallelism: PyTorch has none). Run with torchrun;
+rank 0 prints one JSON line.
+    ep_train.py --model DIR [--steps 20] [--warmup-steps 3] [--seq-len 64] [--global-batch 16]
+                [--lr 1e-3] [--warmup 5] [--seed 1234] [--corpus data/corpus/macbeth.txt]
+    ep_train.py --make-model DIR [--seed 1234]     # writes the bench's model (one process)
+
+As mdist: output_router_logits, so the loss trained on is the LM loss plus router_aux_loss_coef
+times the load-balancing loss (transformers' own); the data, schedule, AdamW and clip are
+bench/train_cli.py's. Reported as there: median tokens/s after --warmup-steps, every rank's peak
+RSS, rank 0's RSS after the imports, first and last loss (LM loss, mean over ranks).
+"""
+import os
+import sys
+
+# bench/ holds tokenize.py (the tokenizer bench), which would shadow the standard library's
+# tokenize module that torch and transformers import: this directory is taken off the path
+# and train_cli (the same loop's pieces) loaded by file.
+_BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _BENCH]
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("train_cli", os.path.join(_BENCH, "train_cli.py"))
+_train_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_train_cli)
+Windows, lr_at, rss_mib = _train_cli.Windows, _train_cli.lr_at, _train_cli.rss_mib
+
+# The bench's model: 4 sparse layers of 8 experts, top-2, byte vocabulary.
+MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, vocab_size=256, num_experts=8,
+             num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
+             router_aux_loss_coef=0.01, max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+def make_model(directory, seed):
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(**MODEL)
+    model = AutoModelForCausalLM.from_config(config).float()
+    model.save_pretrained(directory)
+    print(json.dumps({"model": directory, "params": sum(p.numel() for p in model.parameters())}))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model")
+    parser.add_argument("--make-model")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup-steps", type=int, default=3,
+                        help="steps left out of the tokens/s median")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=int, default=5, help="learning-rate warm-up steps")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--corpus", default="data/corpus/macbeth.txt")
+    args = parser.parse_args()
+    if args.make_model:
+        make_model(args.make_model, args.seed)
+        return
+    import_rss = rss_mib("VmRSS")
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if args.global_batch % world:
+        raise SystemExit(
+            f"bench: global batch {args.global_batch} does not split over {world} ranks")
+    per_rank = args.global_batch // world
+    mesh = init_device_mesh("cpu", (world,))
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.config.output_router_logits = True
+    params = sum(p.numel() for p in model.parameters())
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    model.train()
+
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    data = Windows(args.corpus, args.seq_len, args.seed)
+    step_tokens = args.global_batch * args.seq_len
+    losses, rates = [], []
+    coef = model.config.router_aux_loss_coef
+    for step in range(args.steps):
+        start = time.perf_counter()
+        ids = data.batch(step * args.global_batch + rank * per_rank, per_rank)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step + 1, args.steps, args.lr, args.warmup)
+        optimizer.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids, output_router_logits=True)
+        out.loss.backward()  # LM loss + coef x aux (transformers adds it with router logits)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        logged = torch.tensor([out.loss.item() - coef * out.aux_loss.item()], dtype=torch.float64)
+        dist.all_reduce(logged)
+        losses.append(logged.item() / world)
+        rss = torch.empty(world, dtype=torch.float64)
+        dist.all_gather_into_tensor(rss, torch.tensor([rss_mib()], dtype=torch.float64))
+        elapsed = time.perf_counter() - start
+        if step >= args.warmup_steps:
+            rates.append(step_tokens / elapsed)
+
+    if rank == 0:
+        print(json.dumps({
+            "impl": "py", "world": world, "steps": args.steps, "params": params,
+            "tokens_per_s": statistics.median_low(rates), "peak_rss_mib": rss.tolist(),
+            "import_rss_mib": import_rss, "first_loss": losses[0], "last_loss": losses[-1],
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
