@@ -11,33 +11,20 @@ times the load-balancing loss (transformers' own); the data, schedule, AdamW and
 bench/train_cli.py's. Reported as there: median tokens/s after --warmup-steps, every rank's peak
 RSS, rank 0's RSS after the imports, first and last loss (LM loss, mean over ranks).
 """
-import os
-import sys
+import argparse
+import json
+import statistics
+import time
 
-# bench/ holds tokenize.py (the tokenizer bench), which would shadow the standard library's
-# tokenize module that torch and transformers import: this directory is taken off the path
-# and train_cli (the same loop's pieces) loaded by file.
-_BENCH = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _BENCH]
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
-import argparse  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import transformers
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-
-import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("train_cli", os.path.join(_BENCH, "train_cli.py"))
-_train_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_train_cli)
-Windows, lr_at, rss_mib = _train_cli.Windows, _train_cli.lr_at, _train_cli.rss_mib
+from train_cli import Windows, lr_at, rss_mib  # the same loop's pieces (bench/ is on the path)
 
 # The bench's model: 4 sparse layers of 8 experts, top-2, byte vocabulary.
 MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -125,6 +112,7 @@ def main():
             "import_rss_mib": import_rss, "first_loss": losses[0], "last_loss": losses[-1],
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__,
+            "experts": getattr(model.config, "_experts_implementation", None),
         }), flush=True)
     dist.destroy_process_group()
 

@@ -126,7 +126,8 @@ print(f"`mdist train --ep` on a Qwen3-MoE ({py_ok[0]['params'] if py_ok else '?'
       f"{layers} sparse layers of {config.get('num_experts', config.get('num_local_experts'))} experts, top-{k}, hidden {hidden}, "
       f"vocab {config['vocab_size']}, fp32) on {world} ranks")
 print(f"vs transformers Qwen3MoeForCausalLM + torch fully_shard over all ranks (Python, no EP"
-      + (f"; torch {py_ok[0]['torch']}, transformers {py_ok[0]['transformers']}" if py_ok else "")
+      + (f"; torch {py_ok[0]['torch']}, transformers {py_ok[0]['transformers']}, experts "
+         f"implementation {py_ok[0].get('experts')}" if py_ok else "")
       + ")")
 print(f"global batch {batch} x {seq_len} tokens, {steps} steps (tokens/s: median of steps "
       f"{int(warmup) + 1}..{steps}), AdamW lr 1e-3, clip 1.0, loss + 0.01 x aux; Gloo, CPU, "

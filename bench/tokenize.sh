@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `mdist tokenize` on 1 and 2 ranks beside Hugging Face `tokenizers` (Python, bench/tokenize.py:
+# `mdist tokenize` on 1 and 2 ranks beside Hugging Face `tokenizers` (Python, bench/tokenize_hf.py:
 # encode_batch with add_special_tokens, EOS appended, uint32 written) on the same tokenizer.json
 # and corpus, alternating C++ and Python runs for PAIRS pairs, as median/min/max wall seconds and
 # ratios; the outputs are compared byte for byte. Then the peak RSS of tokenizing a large
@@ -84,7 +84,7 @@ for pair in $(seq 1 "$pairs"); do
       --out "$work/cpp-$world.u32"
   done
   if [[ $python_ok -eq 1 ]]; then
-    measure "tokenizers (Python)" 0 "$venv/bin/python" bench/tokenize.py --model "$model" \
+    measure "tokenizers (Python)" 0 "$venv/bin/python" bench/tokenize_hf.py --model "$model" \
       --data "$work/corpus.txt" --out "$work/py.u32"
   fi
   echo "pair $pair done ($((SECONDS - began)) s)" >&2

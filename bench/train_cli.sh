@@ -3,9 +3,11 @@
 # ranks: tokens/s and peak RSS per rank of the C++ job (build/bin/mdist through mdistrun)
 # beside the same training loop written with transformers + PyTorch FSDP2 (bench/train_cli.py
 # through torchrun, the same torch version): same model and initialisation style, data, global
-# batch, schedule and steps, as one markdown table with C++/Python ratios.
+# batch, schedule and steps, as one markdown table with C++/Python ratios. This machine's speed
+# drifts, so each rank count alternates the two sides ROUNDS times (C++, Python, C++, ...) and
+# the tokens/s ratio is paired per round: median [min, max] over the rounds.
 #   bench/train_cli.sh [steps=60]
-# Environment: BUILD_DIR (default build), RANKS ("1 2"), WARMUP (5 steps left out of the
+# Environment: BUILD_DIR (default build), RANKS ("1 2"), ROUNDS (3), WARMUP (5 steps left out of the
 # tokens/s median), SEQ_LEN (128), GLOBAL_BATCH (16 sequences, split over the ranks), LR (3e-3),
 # LR_WARMUP (30 steps), SEED (1234), RUN_TIMEOUT (600 s per run, so that a hung job becomes a
 # failed row), MDIST_CACHE (where the bench venv lives), SKIP_BUILD=1 (use the binaries in
@@ -17,6 +19,7 @@ cd "$(dirname "$0")/.."
 steps="${1:-60}"
 build="${BUILD_DIR:-build}"
 ranks="${RANKS:-1 2}"
+rounds="${ROUNDS:-3}"
 warmup="${WARMUP:-5}"
 seq_len="${SEQ_LEN:-128}"
 batch="${GLOBAL_BATCH:-16}"
@@ -81,7 +84,8 @@ launch() {
 # The C++ job: its metrics.jsonl gives the row (median tokens/s after the warm-up steps, the
 # peak RSS of each rank at the last step, the first and last loss).
 run_cpp() {
-  local world="$1" impl="mdist (C++)" log="$work/cpp-$1.log" out="$work/cpp-$1-out" start=$SECONDS
+  local world="$1" round="$2" impl="mdist (C++)" log="$work/cpp-$1-$2.log" out="$work/cpp-$1-$2-out"
+  local start=$SECONDS
   launch "$log" "$build/bin/mdistrun" --nproc-per-node "$world" "$build/bin/mdist" train \
     --steps "$steps" --seq-len "$seq_len" --global-batch "$batch" --lr "$lr" \
     --warmup "$lr_warmup" --seed "$seed" --save-every 0 --eval-every 0 --overwrite --out "$out"
@@ -90,16 +94,17 @@ run_cpp() {
     fail "$impl" "$world" "$rc" "$log"
   else
     local line
-    if line="$(python3 - "$out/metrics.jsonl" "$world" "$warmup" "$steps" 2>&1 <<'PY'
+    if line="$(python3 - "$out/metrics.jsonl" "$world" "$warmup" "$steps" "$round" 2>&1 <<'PY'
 import json, statistics, sys
 path, world, warmup, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+round_ = int(sys.argv[5])
 rows = [json.loads(line) for line in open(path) if line.strip()]
 if len(rows) != steps:
     raise SystemExit(f"bench: metrics.jsonl has {len(rows)} steps, expected {steps}")
 if len(rows[-1]["peak_rss_mib"]) != world:
     raise SystemExit(f"bench: peak_rss_mib has {len(rows[-1]['peak_rss_mib'])} ranks, "
                      f"expected {world}")
-print(json.dumps({"impl": "mdist (C++)", "world": world, "steps": len(rows),
+print(json.dumps({"impl": "mdist (C++)", "world": world, "round": round_, "steps": len(rows),
                   "tokens_per_s": statistics.median_low(r["tokens_per_s"] for r in rows[warmup:]),
                   "peak_rss_mib": rows[-1]["peak_rss_mib"],
                   "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
@@ -115,7 +120,8 @@ PY
 }
 
 run_py() {
-  local world="$1" impl="transformers + torch FSDP2 (Python)" log="$work/py-$1.log" start=$SECONDS
+  local world="$1" round="$2" impl="transformers + torch FSDP2 (Python)" log="$work/py-$1-$2.log"
+  local start=$SECONDS
   if [[ $python_ok -ne 1 ]]; then
     echo '{"impl": "'"$impl"'", "world": '"$world"', "error": "no bench venv"}' >>"$results"
     return
@@ -129,14 +135,16 @@ run_py() {
   if [[ $rc -ne 0 || -z "$line" ]]; then
     fail "$impl" "$world" "$rc" "$log"
   else
-    echo "$line" >>"$results"
+    echo "$line" | python3 -c 'import json, sys; r = json.load(sys.stdin); r["round"] = int(sys.argv[1]); print(json.dumps(r))' "$round" >>"$results"
   fi
   echo "$impl, $world rank(s): $((SECONDS - start)) s" >&2
 }
 
 for world in $ranks; do
-  run_cpp "$world"
-  run_py "$world"
+  for ((round = 1; round <= rounds; ++round)); do
+    run_cpp "$world" "$round"
+    run_py "$world" "$round"
+  done
 done
 
 python3 - "$results" "$steps" "$warmup" "$batch" "$seq_len" "$lr" "$lr_warmup" "$seed" \
@@ -163,32 +171,38 @@ if any(r.get("threads", 1) != 1 for r in py_ok):
     print(f"WARNING: torch intra-op threads per rank were "
           f"{sorted({r['threads'] for r in py_ok})}, not 1")
 print()
-print("| ranks | mdist tokens/s | PyTorch tokens/s | tokens/s C++/Py "
+print("| ranks | mdist tokens/s | PyTorch tokens/s | tokens/s C++/Py (paired rounds) "
       "| mdist peak RSS MiB (max rank) | PyTorch peak RSS MiB | RSS C++/Py "
       "| mdist loss first→last | PyTorch loss first→last |")
 print("|---:|---:|---:|---:|---:|---:|---:|---|---|")
-by = {(r["world"], r["impl"]): r for r in rows}
 def ok(r):
     return r is not None and "error" not in r
-def rss(r):
-    return f"{max(r['peak_rss_mib']):.0f} ({'/'.join(f'{x:.0f}' for x in r['peak_rss_mib'])})"
-failures = []
+def spread(values, fmt):
+    if not values:
+        return "FAILED"
+    values = sorted(values)
+    median = values[(len(values) - 1) // 2]
+    return f"{fmt.format(median)} [{fmt.format(values[0])}, {fmt.format(values[-1])}]"
+failures = [f"{r['impl']} on {r['world']} rank(s): {r['error']}" for r in rows if not ok(r)]
 for world in sorted({r["world"] for r in rows}):
-    cpp, py = by.get((world, CPP)), by.get((world, PY))
-    cells = [str(world)]
-    for r in (cpp, py):
-        cells.append(f"{r['tokens_per_s']:.0f}" if ok(r) else "FAILED")
-    cells.append(f"{cpp['tokens_per_s'] / py['tokens_per_s']:.2f}" if ok(cpp) and ok(py) else "n/a")
-    for r in (cpp, py):
-        cells.append(rss(r) if ok(r) else "FAILED")
-    cells.append(f"{max(cpp['peak_rss_mib']) / max(py['peak_rss_mib']):.2f}"
-                 if ok(cpp) and ok(py) else "n/a")
-    for r in (cpp, py):
-        cells.append(f"{r['first_loss']:.3f} → {r['last_loss']:.3f}" if ok(r) else "FAILED")
+    cpp = {r["round"]: r for r in rows if r["world"] == world and r["impl"] == CPP and ok(r)}
+    py = {r["round"]: r for r in rows if r["world"] == world and r["impl"] == PY and ok(r)}
+    pairs = sorted(set(cpp) & set(py))
+    cells = [str(world),
+             spread([r["tokens_per_s"] for r in cpp.values()], "{:.0f}"),
+             spread([r["tokens_per_s"] for r in py.values()], "{:.0f}"),
+             spread([cpp[k]["tokens_per_s"] / py[k]["tokens_per_s"] for k in pairs], "{:.2f}"),
+             spread([max(r["peak_rss_mib"]) for r in cpp.values()], "{:.0f}"),
+             spread([max(r["peak_rss_mib"]) for r in py.values()], "{:.0f}"),
+             spread([max(cpp[k]["peak_rss_mib"]) / max(py[k]["peak_rss_mib"]) for k in pairs],
+                    "{:.2f}")]
+    for side in (cpp, py):
+        first = side[min(side)] if side else None
+        cells.append(f"{first['first_loss']:.3f} → {first['last_loss']:.3f}" if first else "FAILED")
     print("| " + " | ".join(cells) + " |")
-    failures += [f"{r['impl']} on {world} rank(s): {r['error']}" for r in (cpp, py)
-                 if r is not None and not ok(r)]
 print()
+print("each cell: median [min, max] over the rounds; the ratios pair each C++ run with the "
+      "Python run right after it")
 for failure in failures:
     print(f"FAILED {failure}")
 imported = [r["import_rss_mib"] for r in py_ok]

@@ -297,9 +297,8 @@ int run_calibrate(const CalibrateOptions& o) {
   // for the completeness check, then over tensor parallel ("not used" is skipped).
   std::vector<IncompleteExpert> incomplete;
   const auto merge_dp = [&](const std::vector<AbsMax>& per_rank) {
-    incomplete = incomplete_experts(per_rank.empty() ? std::vector<AbsMax>{stats} : per_rank,
-                                    experts_modules, layout.expert_parallel() > 1);
-    return elementwise_max(per_rank.empty() ? std::vector<AbsMax>{stats} : per_rank);
+    incomplete = incomplete_experts(per_rank, experts_modules, layout.expert_parallel() > 1);
+    return elementwise_max(per_rank);
   };
   AbsMax synced =
       DistributedProcessGroup::get_dist_syncd_obj(stats, parallel.data_parallel_group, merge_dp);
@@ -321,7 +320,8 @@ int run_calibrate(const CalibrateOptions& o) {
   agree_on_inputs([&] {
     if (!incomplete.empty() && !o.allow_incomplete_moe) {
       throw InputError("MoE calibration incomplete: " + std::to_string(incomplete.size()) +
-                       " expert(s) received no calibration tokens on some of their ranks: " +
+                       " expert(s) received no calibration tokens on some or all of their "
+                       "ranks: " +
                        describe(incomplete, 3) +
                        "; increase the calibration data (--data, --max-sequences) or pass "
                        "--allow-incomplete-moe");
@@ -330,7 +330,7 @@ int run_calibrate(const CalibrateOptions& o) {
   if (!incomplete.empty()) {
     say("mdist calibrate: warning: MoE calibration incomplete (--allow-incomplete-moe): " +
         std::to_string(incomplete.size()) +
-        " expert(s) received no tokens on some of their ranks: " +
+        " expert(s) received no tokens on some or all of their ranks: " +
         describe(incomplete, incomplete.size()) +
         "; their input_absmax is the max over the ranks that saw tokens, null where none did");
   }

@@ -234,7 +234,8 @@ TEST(ParityFixtures, Bfloat16ForwardStaysCloseToFloat32) {
 
 INSTANTIATE_TEST_SUITE_P(Architectures, Parity,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                           "qwen3_moe_norm", "qwen2_moe", "mixtral"));
+                                           "qwen3_moe_norm", "qwen3_moe_ties", "qwen2_moe",
+                                           "mixtral"));
 
 // --- Mixtures of experts -----------------------------------------------------------------
 
@@ -328,7 +329,8 @@ TEST_P(MoeParity, FusedExpertLayoutLoadsTheSameModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Architectures, MoeParity,
-                         ::testing::Values("qwen3_moe", "qwen3_moe_norm", "qwen2_moe", "mixtral"));
+                         ::testing::Values("qwen3_moe", "qwen3_moe_norm", "qwen3_moe_ties",
+                                           "qwen2_moe", "mixtral"));
 
 // bf16 weights with every router kept in fp32 (routing in fp32), as transformers run the same
 // way; the same f16-exact weights, so the difference is only of the order of bf16 rounding.

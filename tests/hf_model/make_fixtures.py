@@ -29,6 +29,8 @@ output_router_logits=True and router_aux_loss_coef=0.1: "loss" is the language-m
 alone, "aux_loss" transformers' aux_loss (attention mask applied), "aux_loss_no_mask" that of
 load_balancing_loss_func without a mask for row 0 alone, "total_loss" transformers' loss (loss + coef *
 aux_loss), whose gradients give "grad_norms" (0 for an expert no token chose).
+qwen3_moe_ties: experts 1 and 2 share their router row, so tokens must choose between two equal
+scores (the script checks some did): the tie broken as torch.topk breaks it.
 qwen3_moe_bf16: the qwen3_moe model in bf16 with every router (mlp.gate) kept in fp32 and fed
 fp32 input (a forward pre-hook), "logits" and the losses of that run.
 """
@@ -71,6 +73,8 @@ ARCHS.update({
     # layer 0 dense, layer 1 sparse (decoder_sparse_step 2); renormalised
     "qwen3_moe_norm": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
         QWEN3_MOE, norm_topk_prob=True, decoder_sparse_step=2)),
+    "qwen3_moe_ties": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        QWEN3_MOE, norm_topk_prob=True, mlp_only_layers=[1])),
     "qwen3_moe_bf16": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
         QWEN3_MOE, norm_topk_prob=False, mlp_only_layers=[1])),
     # a shared expert with its sigmoid gate, q/k/v bias; layer 1 sparse, layer 0 dense
@@ -122,6 +126,11 @@ def write(arch, config_cls, model_cls, extra):
                 param.copy_(0.3 * torch.randn_like(param))
             param.copy_(param.half().float())
     moe = hasattr(config, "num_experts_per_tok")
+    if arch.endswith("_ties"):  # experts 1 and 2 get the same router row: their scores tie
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.weight[2] = layer.mlp.gate.weight[1]
     if arch.endswith("_bf16"):  # bf16, routers in fp32 fed fp32 input
         model.to(torch.bfloat16)
         for layer in model.model.layers:
@@ -156,6 +165,15 @@ def write(arch, config_cls, model_cls, extra):
         extra = [("total_loss", out.loss.detach().float()), ("aux_loss", out.aux_loss.detach().float()),
                  ("aux_loss_no_mask", no_mask.float())]
         print(arch, "aux_loss", out.aux_loss.item(), "router logits", len(out.router_logits))
+        if arch.endswith("_ties"):  # some token must have had to choose between 1 and 2
+            broken = 0
+            for logits in out.router_logits:
+                probs = logits.float().softmax(-1)
+                chosen = probs.topk(config.num_experts_per_tok, -1).indices
+                one = (chosen == 1).any(-1) ^ (chosen == 2).any(-1)
+                broken += int((one & (probs[:, 1] == probs[:, 2])).sum())
+            assert broken > 0, "no routing tie was broken"
+            print(arch, "ties broken", broken)
         out.loss = plain.loss
 
     out_dir = HERE / arch
@@ -198,5 +216,7 @@ def write(arch, config_cls, model_cls, extra):
 
 
 if __name__ == "__main__":
+    import sys
     for arch, (config_cls, model_cls, extra) in ARCHS.items():
-        write(arch, config_cls, model_cls, extra)
+        if len(sys.argv) < 2 or arch in sys.argv[1:]:  # make_fixtures.py [ARCH...]
+            write(arch, config_cls, model_cls, extra)
