@@ -26,6 +26,7 @@ double clip(torch::nn::Module& model, double max_norm, double norm_type,
   }
   const at::NoGradGuard no_grad;
   std::optional<Group> group;
+  bool mixed_groups = false;
   std::vector<at::Tensor> grads;
   // Per device, each gradient's part (sum of squares, or max of abs) as a 0-d double tensor,
   // sharded and replicated apart; stacked and copied to the host once per device.
@@ -58,8 +59,7 @@ double clip(torch::nn::Module& model, double max_norm, double norm_type,
               "GradNormScope whose group spans them (hf::clip_grad_norm_ does for expert "
               "parallelism)");
         }
-        // Whole parameters belong to the widest group's units (the data-parallel one).
-        if (size(unit_group) > size(*group)) group = unit_group;
+        mixed_groups = true;
       } else if (!group) {
         group = unit_group;
       }
@@ -84,7 +84,10 @@ double clip(torch::nn::Module& model, double max_norm, double norm_type,
   // Whole parameters are the same on every rank of their unit's group: counted on its rank 0
   // (without units and without a scope, on rank 0 of the world; with a scope, where it says).
   const Group over = scope != nullptr ? scope->group : group.value_or(Group::world());
-  const bool whole_here = group ? is_master(*group) : (scope != nullptr || is_master(over));
+  // With units over different groups (and so a scope), `counted` alone says where a whole
+  // parameter counts: no one unit group's rank 0 stands for them all.
+  const bool whole_here =
+      mixed_groups || (group ? is_master(*group) : (scope != nullptr || is_master(over)));
   double total = 0;
   if (inf) {
     total = allreduce(std::max(sharded, replicated), "max", over);

@@ -5,12 +5,15 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <string>
 #include <utility>
 
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
+#include "mdist/fsdp/state_dict.h"
+#include "mdist/hf/expert_parallel.h"
 #include "mdist/nn/hooks.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/c10d.h"
@@ -349,15 +352,22 @@ at::Tensor full_logits(const CausalLM& model, const at::Tensor& logits) {
 
 double clip_grad_norm_(CausalLM& model, double max_norm, double norm_type) {
   const auto& plan = model->tensor_parallel;
-  const bool split_experts = std::any_of(
-      model->model->decoder_layers.begin(), model->model->decoder_layers.end(),
-      [](const auto& layer) { return layer->moe && layer->moe->experts->expert_parallel; });
-  if (split_experts) {
-    // Every element of every gradient is held by one rank of the world (experts: one
-    // expert-parallel rank's, sharded over its expert-data-parallel group; the rest sharded
-    // over data parallel, which is the world: tensor parallelism of MoE layers is refused).
+  // Expert parallelism: every shard counts where it is (the experts' rows are spread over their
+  // expert-data-parallel groups, the rest over data parallel, which is the world: expert
+  // parallelism excludes tensor parallelism), each rank's experts being its own; a whole
+  // parameter counts on one rank: an expert on the first of the ranks holding it, anything
+  // else (an fp32 router fsdp2_wrap keeps whole, or a model without units) on rank 0.
+  if (const auto experts = split_expert_parameters(model); !experts.empty()) {
+    std::map<std::string, bool> counted;
+    for (const auto& [name, place] : param_placements(*model)) {
+      const auto expert = experts.find(name);
+      counted[name] = place.sharded || (expert != experts.end() ? expert->second : is_master());
+    }
     GradNormScope scope;
-    scope.counted = [](const std::string&) { return true; };
+    scope.counted = [counted = std::move(counted)](const std::string& name) {
+      const auto it = counted.find(name);
+      return it == counted.end() || it->second;
+    };
     scope.group = Group::world();
     return mdist::clip_grad_norm_(*model, max_norm, norm_type, scope);
   }

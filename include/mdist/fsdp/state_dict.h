@@ -96,8 +96,8 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
 // every rank holding a distinct part (the world for TP x FSDP). A whole parameter of a unit
 // counts on its unit group's rank 0; without units, wherever `counted` says. With a scope the
 // units may use different groups (expert parallelism: experts sharded over their
-// expert-data-parallel group, the rest over data parallel); whole parameters then count on
-// rank 0 of the widest of them.
+// expert-data-parallel group, the rest over data parallel); `counted` alone then says where a
+// whole parameter counts.
 struct GradNormScope {
   std::function<bool(const std::string& name)> counted;
   Group group = Group::world();
