@@ -135,6 +135,27 @@ class MdistCommand : public ::testing::Test {
     return "exit " + std::to_string(r.exit_code) + "\nstdout:\n" + r.out + "\nstderr:\n" + r.err;
   }
 
+#ifdef MDIST_SAVE_FOR_TRANSFORMERS
+  // A seeded Qwen3-MoE directory in dir_/NAME (two sparse layers, top-2 of `experts`, hidden 32,
+  // byte vocabulary, load-balancing coefficient `aux`), written by mdist's save_pretrained.
+  fs::path qwen3_moe_model(const std::string& name, int experts, double aux = 0.01) {
+    const auto config_dir = dir_ / (name + "-config");
+    fs::create_directories(config_dir);
+    std::ofstream(config_dir / "config.json")
+        << R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+               "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+               "vocab_size": 256, "num_experts": )"
+        << experts << R"(, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+               "norm_topk_prob": true, "router_aux_loss_coef": )"
+        << aux << "}\n";
+    const auto model = dir_ / name;
+    const auto r = run({MDIST_SAVE_FOR_TRANSFORMERS, config_dir.string(), model.string()});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return model;
+  }
+#endif
+
   fs::path dir_;
 };
 

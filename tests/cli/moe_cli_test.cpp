@@ -27,26 +27,6 @@ using ::testing::Not;
 
 class MdistMoe : public MdistCommand {
  protected:
-  // A seeded Qwen3-MoE directory (both layers sparse, top-2 of `experts`), written by mdist's
-  // save_pretrained.
-  fs::path moe_model(const std::string& name, int experts) {
-    const auto config_dir = dir_ / (name + "-config");
-    fs::create_directories(config_dir);
-    std::ofstream(config_dir / "config.json")
-        << R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-               "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-               "vocab_size": 256, "num_experts": )"
-        << experts << R"(, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-               "norm_topk_prob": true, "router_aux_loss_coef": 0.01})"
-        << "\n";
-    const auto model = dir_ / name;
-    const auto r =
-        mdist::testing::run({MDIST_SAVE_FOR_TRANSFORMERS, config_dir.string(), model.string()});
-    EXPECT_EQ(r.exit_code, 0) << describe(r);
-    return model;
-  }
-
   static nlohmann::json read_json(const fs::path& path) {
     std::ifstream in(path);
     return nlohmann::json::parse(in);
@@ -86,7 +66,7 @@ class MdistMoe : public MdistCommand {
 // layer together see every token the router saw, and the routed counts add up to
 // sequences x seq_len x top_k.
 TEST_F(MdistMoe, CalibrationIsTheSameOnEveryExpertParallelLayout) {
-  const auto model = moe_model("moe", 8);
+  const auto model = qwen3_moe_model("moe", 8);
   const auto single = dir_ / "np1.json";
   auto r = mdist(1, calibrate_args(model, single, {"--max-sequences", "8"}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
@@ -161,7 +141,7 @@ TEST_F(MdistMoe, CalibrationIsTheSameOnEveryExpertParallelLayout) {
 // tokens on some of its ranks but not on others is incomplete too, as modelopt raises: here
 // ranks 2 and 3 have no sequence, so the experts they hold saw none there.
 TEST_F(MdistMoe, AnExpertWithoutCalibrationTokensIsAnErrorUnlessAllowed) {
-  const auto model = moe_model("moe", 8);
+  const auto model = qwen3_moe_model("moe", 8);
   const auto out = dir_ / "out" / "calibration.json";
   // 2 tokens x top-2 reach at most 4 of 8 experts.
   const std::vector<std::string> tiny = {"--seq-len", "2", "--max-sequences", "1"};
@@ -226,7 +206,7 @@ TEST_F(MdistMoe, AnExpertWithoutCalibrationTokensIsAnErrorUnlessAllowed) {
 // --ep that does not fit the world, the data-parallel size or the model: one line from rank 0,
 // exit code 2, nothing written.
 TEST_F(MdistMoe, BadExpertParallelSizesAreOneLine) {
-  const auto six = moe_model("six", 6);
+  const auto six = qwen3_moe_model("six", 6);
   const auto out = dir_ / "result.json";
   const struct {
     int ranks;
@@ -262,7 +242,7 @@ TEST_F(MdistMoe, BadExpertParallelSizesAreOneLine) {
 // eval's loss on a MoE does not depend on the expert-parallel layout (each expert's rows are
 // computed on its rank; padding forwards of ranks without sequences change nothing).
 TEST_F(MdistMoe, EvalIsTheSameOnEveryExpertParallelLayout) {
-  const auto model = moe_model("moe", 8);
+  const auto model = qwen3_moe_model("moe", 8);
   const auto single = dir_ / "np1.json";
   auto r =
       mdist(1, {"eval", "--model", model.string(), "--seq-len", "32", "--out", single.string()});

@@ -29,26 +29,6 @@ using ::testing::Not;
 
 class MdistMoeTrain : public MdistCommand {
  protected:
-  // A seeded Qwen3-MoE directory (both layers sparse, top-2 of `experts`), written by mdist's
-  // save_pretrained, with the load-balancing loss coefficient `aux`.
-  fs::path moe_model(const std::string& name, int experts, double aux) {
-    const auto config_dir = dir_ / (name + "-config");
-    fs::create_directories(config_dir);
-    std::ofstream(config_dir / "config.json")
-        << R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-               "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-               "vocab_size": 256, "num_experts": )"
-        << experts << R"(, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-               "norm_topk_prob": true, "router_aux_loss_coef": )"
-        << aux << "}\n";
-    const auto model = dir_ / name;
-    const auto r =
-        mdist::testing::run({MDIST_SAVE_FOR_TRANSFORMERS, config_dir.string(), model.string()});
-    EXPECT_EQ(r.exit_code, 0) << describe(r);
-    return model;
-  }
-
   // Each step's `key` ("loss", "grad_norm") in metrics.jsonl.
   static std::vector<double> losses(const fs::path& run, const char* key = "loss") {
     std::vector<double> out;
@@ -100,8 +80,8 @@ class MdistMoeTrain : public MdistCommand {
 // (4, 1)'s losses. The final checkpoints hold every expert, as the single process's, with its
 // values.
 TEST_F(MdistMoeTrain, EveryExpertParallelLayoutTrainsAsOneProcess) {
-  const auto model = moe_model("moe", 8, 0.0);
-  const auto balanced = moe_model("balanced", 8, 0.01);
+  const auto model = qwen3_moe_model("moe", 8, 0.0);
+  const auto balanced = qwen3_moe_model("balanced", 8, 0.01);
   const auto train = [&](const fs::path& with_model, int ranks, int ep, const std::string& name) {
     const auto out = dir_ / name;
     const RunResult r =
@@ -151,7 +131,7 @@ TEST_F(MdistMoeTrain, EveryExpertParallelLayoutTrainsAsOneProcess) {
 // A run on (dp, ep) = (4, 2) checkpointed at step 5 resumes on (4, 4), on (2, 1) and on one
 // process to step 10 as the uninterrupted run: the same losses and final weights.
 TEST_F(MdistMoeTrain, ResumesAcrossExpertParallelLayouts) {
-  const auto model = moe_model("moe", 8, 0.0);
+  const auto model = qwen3_moe_model("moe", 8, 0.0);
   const auto whole = dir_ / "whole";
   const auto args = train_args({"--steps", "10", "--save-every", "5", "--keep", "5"});
   RunResult r =
@@ -192,7 +172,7 @@ TEST_F(MdistMoeTrain, ResumesAcrossExpertParallelLayouts) {
 // --ep that does not fit the world, the model or its experts: one line from rank 0, exit code
 // 2, nothing written.
 TEST_F(MdistMoeTrain, BadExpertParallelSizesAreOneLineAndWriteNothing) {
-  const auto six = moe_model("six", 6, 0.01);
+  const auto six = qwen3_moe_model("six", 6, 0.01);
   const auto out = dir_ / "run";
   const struct {
     int ranks;
