@@ -14,7 +14,6 @@ RSS, rank 0's RSS after the imports, first and last loss (LM loss, mean over ran
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 import transformers
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from train_cli import Windows, lr_at, rss_mib  # the same loop's pieces (bench/ is on the path)
+from train_cli import rss_mib, train_loop  # the same loop (bench/ is on the path)
 
 # The bench's model: 4 sparse layers of 8 experts, top-2, byte vocabulary.
 MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -66,7 +65,6 @@ def main():
     if args.global_batch % world:
         raise SystemExit(
             f"bench: global batch {args.global_batch} does not split over {world} ranks")
-    per_rank = args.global_batch // world
     mesh = init_device_mesh("cpu", (world,))
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -77,33 +75,15 @@ def main():
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     model.train()
 
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    data = Windows(args.corpus, args.seq_len, args.seed)
-    step_tokens = args.global_batch * args.seq_len
-    losses, rates = [], []
     coef = model.config.router_aux_loss_coef
-    for step in range(args.steps):
-        start = time.perf_counter()
-        ids = data.batch(step * args.global_batch + rank * per_rank, per_rank)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step + 1, args.steps, args.lr, args.warmup)
-        optimizer.zero_grad(set_to_none=True)
+
+    def step_loss(ids):
+        # transformers adds coef x aux to the LM loss when it returns the router logits; the
+        # LM loss alone is logged, as mdist logs it.
         out = model(input_ids=ids, labels=ids, output_router_logits=True)
-        out.loss.backward()  # LM loss + coef x aux (transformers adds it with router logits)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        logged = torch.tensor([out.loss.item() - coef * out.aux_loss.item()], dtype=torch.float64)
-        dist.all_reduce(logged)
-        losses.append(logged.item() / world)
-        rss = torch.empty(world, dtype=torch.float64)
-        dist.all_gather_into_tensor(rss, torch.tensor([rss_mib()], dtype=torch.float64))
-        elapsed = time.perf_counter() - start
-        if step >= args.warmup_steps:
-            rates.append(step_tokens / elapsed)
+        return out.loss, out.loss.item() - coef * out.aux_loss.item()
+
+    losses, rates, rss = train_loop(model, args, world, rank, step_loss)
 
     if rank == 0:
         print(json.dumps({

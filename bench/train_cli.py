@@ -91,6 +91,43 @@ class Windows:
         return self.windows[[self.window_of(k) for k in range(first, first + size)]]
 
 
+def train_loop(model, args, world, rank, step_loss):
+    """The measured loop, shared with bench/ep_train.py: AdamW with decoupled weight decay on
+    matrices only (norm weights are not decayed, as in mdist), mdist's schedule, clip 1.0.
+    step_loss(ids) -> (loss to backpropagate, loss to log). Returns the per-step losses (mean
+    over ranks), the tokens/s of the steps after --warmup-steps and every rank's peak RSS."""
+    per_rank = args.global_batch // world
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    data = Windows(args.corpus, args.seq_len, args.seed)
+    step_tokens = args.global_batch * args.seq_len
+    losses, rates = [], []
+    rss = torch.empty(world, dtype=torch.float64)
+    for step in range(args.steps):
+        start = time.perf_counter()
+        ids = data.batch(step * args.global_batch + rank * per_rank, per_rank)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step + 1, args.steps, args.lr, args.warmup)
+        optimizer.zero_grad(set_to_none=True)
+        loss, logged_loss = step_loss(ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        # Per step, as mdist logs them: the mean over ranks of their losses (= the global
+        # batch's loss, the slices being equal) and every rank's peak RSS.
+        logged = torch.tensor([float(logged_loss)], dtype=torch.float64)
+        dist.all_reduce(logged)
+        losses.append(logged.item() / world)
+        dist.all_gather_into_tensor(rss, torch.tensor([rss_mib()], dtype=torch.float64))
+        elapsed = time.perf_counter() - start
+        if step >= args.warmup_steps:
+            rates.append(step_tokens / elapsed)
+    return losses, rates, rss
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -115,7 +152,6 @@ def main():
             f"bench: global batch {args.global_batch} does not split over {world} ranks")
     if args.steps <= args.warmup_steps:
         raise SystemExit(f"bench: --steps {args.steps} leaves no step after --warmup-steps")
-    per_rank = args.global_batch // world
     mesh = init_device_mesh("cpu", (world,))
 
     config = LlamaConfig.from_json_file(os.path.join(args.config, "config.json"))
@@ -127,35 +163,8 @@ def main():
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     model.train()
 
-    # Decoupled weight decay on matrices only (norm weights are not decayed), as mdist does.
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    data = Windows(args.corpus, args.seq_len, args.seed)
-    step_tokens = args.global_batch * args.seq_len
-    losses, rates = [], []
-    for step in range(args.steps):
-        start = time.perf_counter()
-        ids = data.batch(step * args.global_batch + rank * per_rank, per_rank)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step + 1, args.steps, args.lr, args.warmup)
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        # Per step, as mdist logs them: the mean over ranks of their losses (= the global
-        # batch's loss, the slices being equal) and every rank's peak RSS.
-        logged = torch.tensor([loss.item()], dtype=torch.float64)
-        dist.all_reduce(logged)
-        losses.append(logged.item() / world)
-        rss = torch.empty(world, dtype=torch.float64)
-        dist.all_gather_into_tensor(rss, torch.tensor([rss_mib()], dtype=torch.float64))
-        elapsed = time.perf_counter() - start
-        if step >= args.warmup_steps:
-            rates.append(step_tokens / elapsed)
+    losses, rates, rss = train_loop(
+        model, args, world, rank, lambda ids: (model(input_ids=ids, labels=ids).loss,) * 2)
 
     if rank == 0:
         print(json.dumps({
