@@ -38,11 +38,27 @@ at::Tensor finish_all_gather(PendingGather& pending, const FsdpParamGroup& unit)
 void unpack_rows(const FsdpParamGroup& unit, const FsdpParam& param, const at::Tensor& gathered,
                  const at::Tensor& full);
 
-// Reduce-scatters the full gradients of unit.params[i] for each i in `which` (averaged over
-// the group, in the unit's reduce dtype): element k of the result is this rank's shard of the
-// averaged gradient of params[which[k]], or undefined when no rank had a gradient for it.
-std::vector<at::Tensor> reduce_scatter_gradients(const FsdpParamGroup& unit,
-                                                 const std::vector<std::size_t>& which);
+// A reduce-scatter of a unit's gradients, issued and perhaps not yet complete.
+struct PendingReduce {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor input;   // [world, numel], kept alive until the work is done
+  at::Tensor output;  // [numel]: this rank's summed chunk, has-gradient flags first
+  std::vector<std::size_t> which;
+  std::vector<int64_t> offsets;  // of each which[k]'s rows in a chunk
+  bool started() const { return output.defined(); }
+};
+
+// Copies the full gradients of unit.params[i] for each i in `which` into one buffer (in the
+// unit's reduce dtype) and issues their reduce-scatter without waiting: the full gradients
+// may be dropped as soon as this returns. More than one rank only.
+PendingReduce start_reduce_scatter(const FsdpParamGroup& unit, std::vector<std::size_t> which);
+// Waits for it and averages: element k is this rank's shard of the averaged gradient of
+// params[which[k]], or undefined when no rank had a gradient for it. Leaves `pending` empty.
+std::vector<at::Tensor> finish_reduce_scatter(PendingReduce& pending, const FsdpParamGroup& unit);
+// One rank: the same result at once, from the full gradients themselves (no copy where the
+// dtype already is the reduce dtype).
+std::vector<at::Tensor> reduce_locally(const FsdpParamGroup& unit,
+                                       const std::vector<std::size_t>& which);
 
 // Averages the gradients of whole, replicated parameters over `group` (`world` ranks), one
 // all-reduce per dtype and device: element k is the average (ranks without a gradient count

@@ -70,6 +70,11 @@ class FsdpParam {
   // Gives the full parameter storage (on its own device) and the shard's requires_grad, so
   // that freezing the shards after wrapping freezes training.
   void alloc_full() const;
+  // On one rank, where the shard is the whole parameter: makes the full parameter use the
+  // shard's memory (no copy, no extra memory) when dtype, device and size allow; false, and
+  // nothing changed, when they do not.
+  bool alias_full() const;
+  // Frees the full parameter's storage, or detaches it from the shard's memory when aliased.
   void free_full() const;
 
  private:

@@ -58,9 +58,17 @@ class FsdpParamGroup : public std::enable_shared_from_this<FsdpParamGroup> {
   // worth prefetching in backward.
   bool expects_pre_backward = false;
   bool unsharded = false;
+  // On one rank a prefetch has nothing to overlap: it unshards at once (see unshard_locally)
+  // and, like a prefetched gather, is undone if no forward or backward uses it.
+  bool unsharded_by_prefetch = false;
   bool requires_gradient_sync = true;
   bool reshard_after_backward = true;
   PendingGather gather;
+  // The reduce-scatter issued by post_backward, finished (shard gradients set) by
+  // finish_reduce: while in flight the next unit's backward computes.
+  PendingReduce reduce;
+  // Bookkeeping the collectives update, also from const paths (state dict gathers).
+  mutable FsdpCommStats comm;
 
   // The per-root state this unit belongs to; made at its root's first forward.
   std::shared_ptr<FsdpContext> context;
@@ -80,8 +88,14 @@ class FsdpParamGroup : public std::enable_shared_from_this<FsdpParamGroup> {
   void discard_gather();
   // After the shards changed under it (a load): no gathered or in-flight copy may be used.
   void invalidate();
-  // Reduces the gradients (when sync is on) and reshards (when asked to); idempotent.
+  // Reduces the gradients (when sync is on) and reshards (when asked to); idempotent. The
+  // reduce-scatter of the sharded gradients may still be in flight afterwards: the shard
+  // gradients are set by finish_reduce.
   void post_backward();
+  // Waits for an in-flight reduce-scatter and sets (or accumulates into) the shard gradients.
+  void finish_reduce();
+  // Waits for an in-flight reduce-scatter and drops its result (a failed backward).
+  void discard_reduce();
   // Drops gradients a failed backward left on the full parameters.
   void discard_full_gradients();
   // The full parameters gathered from the shards in the shards' dtype, into new tensors on
@@ -89,7 +103,13 @@ class FsdpParamGroup : public std::enable_shared_from_this<FsdpParamGroup> {
   std::vector<at::Tensor> gather_full_parameters(const c10::Device& device) const;
 
  private:
+  // One rank: the full parameters are the shards' memory where dtype and device match, else
+  // one cast copy of each shard; no packing, no collective.
+  void unshard_locally();
   void reduce_sharded_gradients();
+  // Sets shard gradient which[k] to reduced[k] (undefined: none), adding to one already there.
+  void assign_gradients(const std::vector<std::size_t>& which,
+                        const std::vector<at::Tensor>& reduced);
   void reduce_replicated_gradients();
 };
 

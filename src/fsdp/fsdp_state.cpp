@@ -86,7 +86,9 @@ std::vector<std::shared_ptr<FsdpParamGroup>> live_units(const FsdpContext& conte
 // units had already reduced theirs; the user's zero_grad clears those.
 void recover_from_failed_backward(FsdpContext& context) {
   context.final_callback_queued = false;
+  context.reducing.reset();
   for (const auto& unit : live_units(context)) {
+    unit->discard_reduce();
     unit->discard_gather();
     unit->discard_full_gradients();
     unit->reshard();
@@ -215,6 +217,23 @@ void to_device(nn::TensorRefs& refs, const c10::Device& device) {
   }
 }
 
+// A unit's post-backward. Its reduce-scatter stays in flight while the next unit's backward
+// computes; the one issued before it is finished now (so at most two are in flight) and the
+// last one by finish_backward. Without a queued end-of-backward callback nothing would finish
+// it later, so then it is finished at once.
+void run_post_backward(const std::shared_ptr<FsdpParamGroup>& unit) {
+  unit->post_backward();
+  FsdpContext* const context = unit->context.get();
+  if (context == nullptr || !context->final_callback_queued) {
+    unit->finish_reduce();
+    return;
+  }
+  if (const auto previous = context->reducing.lock(); previous && previous != unit) {
+    previous->finish_reduce();
+  }
+  context->reducing = unit;
+}
+
 // At the end of a backward: the post-backward of every unit whose own did not run (its
 // inputs needed no gradient, e.g. the root taking token ids, or a call's backward never
 // reached its inputs), then whatever a prefetch left in flight.
@@ -225,9 +244,12 @@ void finish_backward(const std::weak_ptr<FsdpContext>& weak) {
   const auto units = live_units(*context);
   for (const auto& unit : units) {
     if (unit->pending_backwards > 0 || unit->state == TrainingState::kPreBackward) {
-      unit->post_backward();
+      run_post_backward(unit);
     }
   }
+  // Every shard gradient is in place when backward() returns.
+  context->reducing.reset();
+  for (const auto& unit : units) unit->finish_reduce();
   for (const auto& unit : units) {
     unit->discard_gather();
     unit->expects_pre_backward = false;
@@ -269,7 +291,7 @@ void pre_backward(const std::weak_ptr<FsdpParamGroup>& weak) {
 void post_backward_of_call(const std::weak_ptr<FsdpParamGroup>& weak) {
   const auto unit = weak.lock();
   if (!unit) return;
-  if (unit->pending_backwards > 0 && --unit->pending_backwards == 0) unit->post_backward();
+  if (unit->pending_backwards > 0 && --unit->pending_backwards == 0) run_post_backward(unit);
 }
 
 void pre_forward(FsdpParamGroup& unit, nn::TensorRefs& inputs) {

@@ -36,6 +36,9 @@ class FsdpContext {
   // pre-backward hook; if that backward failed it never runs, which the next pass notices.
   bool final_callback_queued = false;
   int callback_graph_task = -1;
+  // The unit whose gradient reduce-scatter is in flight (finished at the next unit's
+  // post-backward or at the end of the backward).
+  std::weak_ptr<FsdpParamGroup> reducing;
 };
 
 // The registry of units, by module and by shard.

@@ -240,6 +240,8 @@ void FsdpHandle::reshard() {
 }
 bool FsdpHandle::is_unsharded() const { return unit_->unsharded && unit_->alive(); }
 bool FsdpHandle::is_gathering() const { return unit_->gather.started(); }
+FsdpCommStats FsdpHandle::communication() const { return unit_->comm; }
+void FsdpHandle::reset_communication() { unit_->comm = FsdpCommStats(); }
 void FsdpHandle::set_requires_gradient_sync(bool sync) { unit_->requires_gradient_sync = sync; }
 void FsdpHandle::set_reshard_after_backward(bool reshard) {
   unit_->reshard_after_backward = reshard;

@@ -106,6 +106,71 @@ TEST(FullyShard, KeepingFullParametersAfterForwardMatchesToo) {
   expect_matches_reference(train_sharded(Wrap::kLayersAndRoot, false, true));
 }
 
+// The statistics a per-phase profile is built from: every collective of a step counted with
+// its full buffer's bytes, none on one rank, and none after a reset.
+TEST(FullyShard, CommunicationCountsEveryCollectiveOfAStep) {
+  Mlp model = seeded_model();
+  const auto fc1 = mdist::fully_shard(*model->fc1);
+  const auto fc2 = mdist::fully_shard(*model->fc2);
+  const auto root = mdist::fully_shard(*model);
+  const Data d = local_batch(0);
+  torch::mse_loss(model->forward(d.x), d.y).backward();
+  const int world = mdist::size();
+  for (const auto* layer : {&fc1, &fc2}) {
+    int64_t shard_numel = 0;
+    const auto names = layer->managed_parameter_names();
+    for (const auto& name : names) {
+      int64_t numel = 1;
+      for (const int64_t n : layer->shard_shape(name)) numel *= n;
+      shard_numel += numel;
+    }
+    const mdist::FsdpCommStats stats = layer->communication();
+    const int64_t expected = world > 1 ? 1 : 0;
+    // Gathered before its forward and again before its backward (resharded in between).
+    EXPECT_EQ(stats.all_gathers, 2 * expected);
+    EXPECT_EQ(stats.all_gather_bytes, 2 * expected * world * shard_numel * 4);
+    EXPECT_EQ(stats.reduce_scatters, expected);
+    // Each rank's chunk: one has-gradient flag per parameter, then its shards.
+    EXPECT_EQ(stats.reduce_scatter_bytes,
+              expected * world * (static_cast<int64_t>(names.size()) + shard_numel) * 4);
+    EXPECT_EQ(stats.all_reduces, 0);
+    EXPECT_GE(stats.wait_s, 0.0);
+    if (world == 1) {
+      EXPECT_EQ(stats.wait_s, 0.0);
+    }
+  }
+  mdist::FsdpHandle handle = fc1;
+  handle.reset_communication();
+  EXPECT_EQ(fc1.communication().all_gathers, 0);
+  EXPECT_EQ(fc1.communication().wait_s, 0.0);
+  EXPECT_EQ(fc2.communication().all_gathers, world > 1 ? 2 : 0);
+  static_cast<void>(root);
+}
+
+// On one rank the shard is the whole parameter: forward computes on the shard's memory (no
+// gather copy, no second copy of the weights), and resharding must not free the shard.
+TEST(FullyShard, OneRankComputesOnTheShardsOwnMemory) {
+  Mlp model = seeded_model();
+  mdist::fully_shard(*model->fc1);
+  const auto root = mdist::fully_shard(*model);
+  const at::Tensor shard = model->fc1->named_parameters(false)["weight"];
+  const at::Tensor before = shard.detach().clone();
+  std::vector<bool> shares;
+  auto probe = mdist::nn::register_forward_pre_hook(*model->fc1, [&](torch::nn::Module&, auto&) {
+    shares.push_back(model->fc1->weight.data_ptr() == shard.data_ptr());
+  });
+  const Data d = local_batch(0);
+  torch::mse_loss(model->forward(d.x), d.y).backward();
+  probe.remove();
+  ASSERT_EQ(shares.size(), 1u);
+  EXPECT_EQ(shares[0], mdist::size() == 1);
+  EXPECT_EQ(model->fc1->weight.storage().nbytes(), 0u);  // resharded: the alias is gone
+  EXPECT_TRUE(torch::equal(shard.detach(), before));     // ... and the shard intact
+  ASSERT_TRUE(shard.grad().defined());
+  EXPECT_EQ(shard.grad().sizes(), shard.sizes());
+  static_cast<void>(root);
+}
+
 TEST(FullyShard, RootOnlyMatches) {
   expect_matches_reference(train_sharded(Wrap::kRootOnly, true, false));
 }

@@ -62,6 +62,22 @@ struct FullyShardOptions {
   std::optional<double> gradient_divide_factor;
 };
 
+// What one unit's collectives moved and how long this rank was blocked waiting for them,
+// since wrapping or the last reset_communication(): the input of a per-phase profile
+// (bench/fsdp_train.sh). Bytes are the collectives' full buffers (world x this rank's padded
+// chunk); a ring algorithm puts (world - 1) / world of them on each rank's wire. One rank
+// communicates nothing.
+struct FsdpCommStats {
+  int64_t all_gathers = 0;
+  int64_t all_gather_bytes = 0;  // gathered buffers
+  int64_t reduce_scatters = 0;
+  int64_t reduce_scatter_bytes = 0;  // reduce-scatter inputs (gradients + has-gradient flags)
+  int64_t all_reduces = 0;
+  int64_t all_reduce_bytes = 0;  // replicated parameters' gradients (+ flags)
+  // Blocked in wait() on any of them: the communication not hidden behind compute.
+  double wait_s = 0;
+};
+
 namespace detail {
 class FsdpParamGroup;
 }
@@ -93,6 +109,9 @@ class FsdpHandle {
   // Shapes of one managed parameter: before sharding, and of this rank's shard.
   std::vector<int64_t> full_shape(const std::string& name) const;
   std::vector<int64_t> shard_shape(const std::string& name) const;
+  // This unit's communication so far (see FsdpCommStats), and starting it again from zero.
+  FsdpCommStats communication() const;
+  void reset_communication();
 
  private:
   std::shared_ptr<detail::FsdpParamGroup> unit_;
