@@ -11,6 +11,7 @@
 #include "mdist/objects/broadcast_state_dict.h"      // IWYU pragma: export
 #include "mdist/objects/codec.h"                     // IWYU pragma: export
 #include "mdist/objects/collectives.h"               // IWYU pragma: export
+#include "mdist/optim/fused_adamw.h"                 // IWYU pragma: export
 #include "mdist/runtime/device.h"                    // IWYU pragma: export
 #include "mdist/runtime/environment.h"               // IWYU pragma: export
 #include "mdist/runtime/file_lock.h"                 // IWYU pragma: export
