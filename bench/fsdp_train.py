@@ -192,6 +192,7 @@ def main():
         mean_losses = [sum(r["losses"][i] for r in everyone) / world for i in range(len(losses))]
         print(json.dumps({
             "impl": "torch FSDP2 (Python)",
+            "adamw": "torch.optim.AdamW (defaults: for-loop on CPU)",
             "world": world,
             "device": str(device),
             "param_dtype": dtype_name,

@@ -10,7 +10,7 @@
 # sequences, split over the ranks), SEQ_LEN (128), RUN_TIMEOUT (600 s per run, so that a hung
 # job becomes a failed row), MDIST_CACHE (where the bench venv lives), MDIST_BENCH_VENV (a venv of
 # one's own with torch instead), FSDP_BENCH_DEVICE (cpu or cuda) and FSDP_BENCH_PARAM_DTYPE (fp32 or
-# bf16), read by both sides.
+# bf16), read by both sides, and FSDP_BENCH_ADAMW (fused or plain: mdist's side only).
 # Needs a build (scripts/setup.sh) and creates a bench-only venv with torch on first use.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +77,9 @@ for world in $ranks; do
   for ((round = 1; round <= rounds; ++round)); do
     run "mdist (C++)" "$world" "$round" "$build/bin/mdistrun" --nproc-per-node "$world" \
       "$build/bin/fsdp_train" "$steps" "$warmup" "$batch" "$seq_len"
+    # The profile's compute part: the same steps without fully_shard, in the same round.
+    run "compute only" "$world" "$round" "$build/bin/mdistrun" --nproc-per-node "$world" \
+      "$build/bin/fsdp_train" "$steps" "$warmup" "$batch" "$seq_len" compute
     if [[ $python_ok -eq 1 ]]; then
       run "torch FSDP2 (Python)" "$world" "$round" "$venv/bin/python" -m torch.distributed.run \
         --standalone --nproc-per-node "$world" bench/fsdp_train.py "$steps" "$warmup" "$batch" "$seq_len"
@@ -92,6 +95,9 @@ path, steps, warmup, batch, seq_len, cores, elapsed, rounds = sys.argv[1:]
 rows = [json.loads(line) for line in open(path) if line.startswith("{")]
 MIB = 1024 * 1024
 CPP, PY = "mdist (C++)", "torch FSDP2 (Python)"
+compute = {(r["world"], r["round"]): r["compute_s"] for r in rows
+           if r["impl"] == "compute only" and "error" not in r}
+rows = [r for r in rows if r["impl"] != "compute only" or "error" in r]
 ok = [r for r in rows if "error" not in r]
 params = sorted({r["params"] for r in ok})
 print(f"FSDP training, Llama-shaped stack: {params[0] if params else '?'} parameters "
@@ -100,6 +106,8 @@ print(f"global batch {batch} x {seq_len} tokens split over the ranks; {warmup} w
       f"timed steps, median step (slowest rank); OMP_NUM_THREADS=1 per rank on {cores} cores")
 print(f"{rounds} rounds per rank count, C++ then Python in each; the table shows each side's "
       "median-step round, the ratios are per round")
+adamws = sorted({r.get("adamw", "torch.optim.AdamW (default: for-loop on CPU)") for r in ok})
+print(f"optimizers: {'; '.join(adamws)}")
 devices = sorted({f"{r.get('device', 'cpu')} {r.get('param_dtype', 'fp32')} param_dtype" for r in ok})
 print("units: each decoder layer, then the root (reshard_after_forward=True); "
       f"on {', '.join(devices) or 'cpu'} (Gloo on CPU, NCCL on CUDA); both sides start from the "
@@ -175,6 +183,52 @@ for world in sorted({r["world"] for r in rows}):
         ratios = [value(c, p) for c, p in pairs]
         cells.append(f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]")
     print(f"{world:>5} {len(pairs):>6} " + " ".join(f"{cell:>18}" for cell in cells))
+print()
+print("Roofline (mdist, the median-step round): model FLOPs per step = 6 x matmul parameters x tokens + "
+      "attention 12 B T^2 d L;\n  peak = the single-thread fp32 GEMM rate on the model's matmul shapes "
+      "(rank 0 alone) x min(ranks, cores)")
+head = (f"{'ranks':>5} {'GEMM GFLOP/s':>12} {'GFLOP/step':>10} {'achieved GFLOP/s':>16} {'of peak':>7} "
+        f"{'gather MiB/rank':>15} {'reduce MiB/rank':>15} {'vs analytic':>11} {'wire MiB/rank':>13} "
+        f"{'loopback MB/s':>13} {'wire time s':>11}")
+print(head)
+print("-" * len(head))
+cpp_shown = [r for r in shown if r["impl"] == CPP and "error" not in r]
+for r in cpp_shown:
+    w = r["world"]
+    peak = r["gemm_gflops_1thread"] * min(w, int(r.get("cores", cores)))
+    achieved = r["model_gflop_per_step"] / r["step_s"]
+    measured = r["gather_bytes_per_rank"] + r["reduce_bytes_per_rank"]
+    analytic = r["analytic_gather_bytes"] + r["analytic_reduce_bytes"]
+    wire = measured * (w - 1) / w
+    bw = r["all_gather_bytes_per_s"]
+    print(f"{w:>5} {r['gemm_gflops_1thread']:>12.1f} {r['model_gflop_per_step']:>10.1f} {achieved:>16.1f} "
+          f"{achieved / peak:>7.2f} {r['gather_bytes_per_rank'] / MIB:>15.1f} "
+          f"{r['reduce_bytes_per_rank'] / MIB:>15.1f} "
+          f"{(measured / analytic if analytic else 1.0):>11.3f} {wire / MIB:>13.1f} "
+          f"{(bw / 1e6 if bw else float('nan')):>13.0f} {(wire / bw if bw else 0.0):>11.3f}")
+print()
+print("Where mdist's step goes (the median-step round, slowest rank, seconds and share of the step):")
+print("  compute = the same model's forward + backward without fully_shard on the same batch (its own run in "
+      "the same round);\n  comm not "
+      "hidden = time blocked\n  on all-gathers and reduce-scatters (FsdpHandle::communication()); "
+      "optimizer = its step; fully_shard's own work = the rest\n  (packing, copies, hooks, and compute slowed by "
+      "Gloo's threads sharing the cores); CPU s = per step and rank, the main thread and all others "
+      "(Gloo's)")
+head = (f"{'ranks':>5} {'step s':>7} {'compute':>14} {'comm not hidden':>16} {'optimizer':>14} "
+        f"{'fully_shard own':>16} {'CPU s main/comm threads':>23} {'adamw':<26}")
+print(head)
+print("-" * len(head))
+for r in cpp_shown:
+    step = r["step_s"]
+    if (r["world"], r["round"]) not in compute:
+        print(f"{r['world']:>5} n/a (the round's compute-only run failed)")
+        continue
+    parts = [compute[(r["world"], r["round"])], r["comm_wait_s"], r["optimizer_s"]]
+    rest = step - sum(parts)
+    cells = [f"{v:.3f} ({100 * v / step:.0f}%)" for v in parts + [rest]]
+    threads = f"{r['main_thread_cpu_s']:.2f} / {r['other_threads_cpu_s']:.2f}"
+    print(f"{r['world']:>5} {step:>7.3f} {cells[0]:>14} {cells[1]:>16} {cells[2]:>14} {cells[3]:>16} "
+          f"{threads:>23} {r.get('adamw', '?'):<26}")
 print()
 print("persist MiB = the largest per-rank sum of shards + gradients + AdamW exp_avg/exp_avg_sq "
       "(from the optimizer state) between steps;\n  vs total/W: against 4 x parameter bytes / W "
