@@ -50,6 +50,9 @@ struct TrainOptions {
   std::optional<std::filesystem::path> eval_data;  // else the eval split of the training data
   std::int64_t eval_max_sequences = 256;           // 0: all
   double watchdog_s = 300;  // report a rank that lags the others' step this long (0: never)
+  // --param-dtype: empty (compute in the weights' dtype), or the dtype FSDP2's mixed precision
+  // gathers and computes in (parse_param_dtype).
+  std::string param_dtype;
 };
 
 struct EvalOptions {

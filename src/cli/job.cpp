@@ -200,8 +200,29 @@ void init_weights(hf::CausalLM& model, std::uint64_t seed, double std) {
 
 }  // namespace
 
+std::optional<MixedPrecisionPolicy> parse_param_dtype(const std::string& name) {
+  if (name.empty()) return std::nullopt;
+  MixedPrecisionPolicy policy;
+  policy.reduce_dtype = at::kFloat;
+  if (name == "bf16" || name == "bfloat16") {
+    policy.param_dtype = at::kBFloat16;
+  } else if (name == "fp32" || name == "float32") {
+    policy.param_dtype = at::kFloat;
+  } else if (name == "fp16" || name == "float16") {
+    throw InputError("--param-dtype " + name +
+                     " needs loss scaling, which mdist train does not do; use bf16");
+  } else {
+    throw InputError(
+        "--param-dtype must be bf16 or fp32 (or left out: compute in the weights' "
+        "dtype), got '" +
+        name + "'");
+  }
+  return policy;
+}
+
 hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
-                                 const JobLayout& layout) {
+                                 const JobLayout& layout,
+                                 const std::optional<MixedPrecisionPolicy>& mp_policy) {
   const ParallelState& parallel = layout.parallel;
   const bool split = layout.tensor_parallel() > 1;
   // A checkpoint is loaded without ever holding the whole model: built on the meta device,
@@ -210,6 +231,7 @@ hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
     hf::Fsdp2LoadOptions options;
     options.parallel = parallel;
     options.expert_data_parallel = layout.expert_data_parallel;
+    options.mp_policy = mp_policy;
     hf::CausalLM model = hf::load_pretrained_fsdp2(*choice.dir, options);
     // A NaN or infinite weight makes every number after it meaningless (exit code 0 with a
     // "loss nan"): each rank checks the values it holds, and the ranks agree, so that the job
@@ -238,9 +260,9 @@ hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
   if (const auto device = compute_device(); !device.is_cpu()) model->to(device);
   const Group dp = parallel.data_parallel_group.group();
   if (layout.expert_parallel() > 1) {
-    hf::shard_experts(model, *layout.expert_data_parallel, mdist::size(dp));
+    hf::shard_experts(model, *layout.expert_data_parallel, mdist::size(dp), mp_policy);
   }
-  fsdp2_wrap(*model, true, std::nullopt, false, dp);
+  fsdp2_wrap(*model, true, mp_policy, false, dp);
   return model;
 }
 

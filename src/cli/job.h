@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "mdist/fsdp/fully_shard.h"
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/tokenizer.h"
@@ -98,8 +99,17 @@ struct JobLayout {
 // (hf::parallelize; a checkpoint is read by slice) and sharded over its data-parallel group.
 // With an expert-parallel group, each rank keeps (and reads) only its experts
 // (hf::parallelize_experts), FSDP-sharded over the expert-data-parallel group.
-hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
-                                 const JobLayout& layout = JobLayout());
+// `mp_policy`: FSDP2's mixed precision for every unit (train's --param-dtype).
+hf::CausalLM build_wrapped_model(
+    const ModelChoice& choice, std::uint64_t seed, const JobLayout& layout = JobLayout(),
+    const std::optional<MixedPrecisionPolicy>& mp_policy = std::nullopt);
+
+// train's --param-dtype: nullopt for "" (the weights' own dtype); for bf16 (or fp32) the policy
+// torchtitan trains with: every unit all-gathers and computes in that dtype and reduce-scatters
+// gradients in fp32, while the shards, their gradients and AdamW's state keep the weights'
+// dtype. fp16 is refused (it needs loss scaling, which mdist train does not do), as is any
+// other name (InputError naming the flag).
+std::optional<MixedPrecisionPolicy> parse_param_dtype(const std::string& name);
 
 // Checks --tp against the world and the model (InputError naming the sizes); call inside
 // agree_on_inputs.

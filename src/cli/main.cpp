@@ -210,6 +210,12 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->type_name("SECONDS");
   train_cmd
+      ->add_option("--param-dtype", train.param_dtype,
+                   "Mixed precision (FSDP2's param_dtype): gather and compute forward and "
+                   "backward in bf16 (or fp32), reduce gradients in fp32; the weights and AdamW "
+                   "state keep their dtype (default: compute in the weights' dtype)")
+      ->type_name("DTYPE");
+  train_cmd
       ->add_option("--eval-max-sequences", train.eval_max_sequences,
                    "Held-out sequences per evaluation (0: all)")
       ->capture_default_str();

@@ -44,7 +44,8 @@ nlohmann::json run_flags(const TrainOptions& o, const TokenStream& data, const M
           {"grad_clip", o.grad_clip},
           {"steps", o.steps},
           {"tensor_parallel", o.io.tensor_parallel},  // informative: a resume may change them
-          {"expert_parallel", o.io.expert_parallel}};
+          {"expert_parallel", o.io.expert_parallel},
+          {"param_dtype", o.param_dtype.empty() ? "weights" : o.param_dtype}};
 }
 
 void check_resume_flags(const nlohmann::json& saved, const nlohmann::json& now,
@@ -129,7 +130,9 @@ int run_train(const TrainOptions& o) {
   std::optional<fs::path> resume_from;
   std::optional<TrainerState> resumed;
   bool replace_earlier = false;
+  std::optional<MixedPrecisionPolicy> mp_policy;
   agree_on_inputs([&] {
+    mp_policy = parse_param_dtype(o.param_dtype);
     check_at_least(o.steps, 1, "--steps");
     check_at_least(o.global_batch, 1, "--global-batch");
     check_tensor_parallel_size(tp);
@@ -229,7 +232,7 @@ int run_train(const TrainOptions& o) {
   const JobLayout layout = make_layout(tp, o.io.expert_parallel);
   const ParallelState& parallel = layout.parallel;
   const int dp_rank = mdist::rank(parallel.data_parallel_group.group());
-  hf::CausalLM model = build_wrapped_model(model_choice, o.io.seed, layout);
+  hf::CausalLM model = build_wrapped_model(model_choice, o.io.seed, layout, mp_policy);
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
   // the same directory gets one line naming this one's pid). Taken once the model is known to
   // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.
@@ -264,6 +267,15 @@ int run_train(const TrainOptions& o) {
 
   say("mdist train: " + describe_layout(layout) + ", model " + model_choice.description);
   say("mdist train: " + tokenizer_line(model_choice));
+  if (mp_policy) {
+    const auto name = [](c10::ScalarType t) -> std::string {
+      return t == at::kBFloat16 ? "bf16" : t == at::kFloat ? "fp32" : c10::toString(t);
+    };
+    say("mdist train: mixed precision: gathered and computed in " + name(*mp_policy->param_dtype) +
+        ", gradients reduced in " + name(*mp_policy->reduce_dtype) +
+        ", weights and AdamW state in " + name(model->parameters().front().scalar_type()) +
+        " (--param-dtype)");
+  }
   say("mdist train: data " + data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens; global batch " +
       std::to_string(o.global_batch) + " (" + std::to_string(o.global_batch / dp) +

@@ -466,6 +466,15 @@ INSTANTIATE_TEST_SUITE_P(
                  {"train", "--data", "DIR/big_id.ids", "--out", "OUT"},
                  "data file 'DIR/big_id.ids': token 3 has id 256, outside the model's vocabulary "
                  "[0, 256)"},
+        BadInput{"ParamDtypeFp16",
+                 2,
+                 {"train", "--param-dtype", "fp16", "--out", "OUT"},
+                 "--param-dtype fp16 needs loss scaling, which mdist train does not do; use bf16"},
+        BadInput{"ParamDtypeUnknown",
+                 1,
+                 {"train", "--param-dtype", "int8", "--out", "OUT"},
+                 "--param-dtype must be bf16 or fp32 (or left out: compute in the weights' "
+                 "dtype), got 'int8'"},
         BadInput{"UnwritableOutputDirectory",
                  2,
                  {"train", "--out", "DIR/a_file/run"},
@@ -1059,6 +1068,65 @@ TEST_F(MdistChecks, TrainLogsTheHeldOutLossItsCheckpointsEvaluateTo) {
 
 // Usage errors: exit code 2 and one line (from rank 0 only), a mistyped subcommand gets the
 // nearest one; eval --out into directories that do not exist yet creates them.
+// --param-dtype bf16 (FSDP2's mixed precision: gathered and computed in bf16, gradients reduced
+// in fp32, fp32 weights and AdamW state). The bf16 run must really compute in bf16 (its first
+// loss differs from the fp32 run's, by bf16 rounding only), train as the fp32 run does, give the
+// same losses on 1 and 2 ranks and under tensor parallelism, keep fp32 weights in its
+// checkpoints, and resume on the checkpoint path with the policy applied again.
+TEST_F(MdistChecks, Bf16MixedPrecisionComputesInBf16AndKeepsFp32Weights) {
+  const auto run = [&](int ranks, const std::string& name, std::vector<std::string> more) {
+    const auto out = dir_ / name;
+    const auto r = mdist(ranks, with(train_args({"--steps", "8", "--out", out.string()}), more));
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return std::make_pair(r, metrics(out));
+  };
+  const auto [fp32_run, fp32] = run(2, "fp32", {"--save-every", "0"});
+  const std::vector<std::string> bf16_flags = {"--param-dtype", "bf16"};
+  const auto [bf16_run, bf16] =
+      run(2, "bf16", with(bf16_flags, {"--save-every", "4", "--keep", "5"}));
+  const auto [one_run, one] = run(1, "bf16-one", with(bf16_flags, {"--save-every", "0"}));
+  const auto [tp_run, tp] = run(2, "bf16-tp", with(bf16_flags, {"--save-every", "0", "--tp", "2"}));
+  ASSERT_EQ(fp32.size(), 8u);
+  ASSERT_EQ(bf16.size(), 8u);
+  ASSERT_EQ(one.size(), 8u);
+  ASSERT_EQ(tp.size(), 8u);
+  EXPECT_THAT(bf16_run.out, HasSubstr("mixed precision: gathered and computed in bf16, gradients "
+                                      "reduced in fp32, weights and AdamW state in fp32"));
+  EXPECT_THAT(fp32_run.out, Not(HasSubstr("mixed precision")));
+  const double first_fp32 = fp32[0]["loss"], first_bf16 = bf16[0]["loss"];
+  EXPECT_NE(first_bf16, first_fp32) << "--param-dtype bf16 computed in fp32";
+  EXPECT_NEAR(first_bf16, first_fp32, 1e-3 * first_fp32);
+  for (std::size_t i = 0; i < 8; ++i) {
+    const double a = fp32[i]["loss"], b = bf16[i]["loss"];
+    EXPECT_NEAR(b, a, 1e-2 * a) << "step " << i + 1;
+    EXPECT_NEAR(one[i]["loss"].get<double>(), b, 2e-3 * b) << "step " << i + 1;
+    EXPECT_NEAR(tp[i]["loss"].get<double>(), b, 2e-3 * b) << "step " << i + 1;
+  }
+  EXPECT_LT(bf16[7]["loss"].get<double>(), bf16[0]["loss"].get<double>());
+  // The checkpoint holds the fp32 master weights, and says so in its config.
+  const auto step4 = dir_ / "bf16" / "checkpoints" / "step-00000004";
+  SafetensorsEdit saved(step4 / "model.safetensors");
+  ASSERT_FALSE(saved.tensors().empty());
+  for (const auto& [name, t] : saved.tensors()) EXPECT_EQ(t.dtype, "F32") << name;
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(step4 / "config.json"))["torch_dtype"], "float32");
+  // Resumed from step 4 (the model read from the checkpoint, wrapped with the policy again):
+  // the same losses as the uninterrupted bf16 run.
+  const auto cut = dir_ / "cut";
+  fs::copy(dir_ / "bf16", cut, fs::copy_options::recursive);
+  fs::remove_all(cut / "checkpoints" / "step-00000008");
+  std::ofstream(cut / "checkpoints" / "latest") << "step-00000004\n";
+  const auto r = mdist(
+      2, with(train_args({"--steps", "8", "--out", cut.string(), "--resume", "--save-every", "4"}),
+              bf16_flags));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const auto resumed = metrics(cut);
+  ASSERT_EQ(resumed.size(), 8u);
+  for (std::size_t i = 4; i < 8; ++i) {
+    const double a = bf16[i]["loss"], b = resumed[i]["loss"];
+    EXPECT_NEAR(b, a, 1e-6 * a) << "step " << i + 1;
+  }
+}
+
 TEST_F(MdistChecks, UsageErrorsAreOneLineWithExitCodeTwo) {
   auto r = mdist(2, {"trian"});
   EXPECT_EQ(r.exit_code, 2) << describe(r);
