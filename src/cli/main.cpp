@@ -3,12 +3,14 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "src/cli/commands.h"
@@ -55,6 +57,18 @@ bool launch_rank0() {
   return rank == nullptr || *rank == '\0' || std::strcmp(rank, "0") == 0;
 }
 
+// The exit of a rank that leaves an error every rank saw for rank 0 to report. A launcher
+// (mdistrun, torchrun) stops the whole job when its first rank exits, and rank 0 may still be
+// loading libtorch or finishing the collective that agreed on the error: exiting at once would
+// get it killed before its line reaches stderr. So this rank waits (up to 10 s) for the
+// launcher to stop it once rank 0 has reported and exited.
+int exit_after_rank0(int code) {
+  const char* world = std::getenv("WORLD_SIZE");
+  if (world != nullptr && std::atoi(world) > 1)
+    std::this_thread::sleep_for(std::chrono::seconds(10));
+  return code;
+}
+
 std::size_t edit_distance(const std::string& a, const std::string& b) {
   std::vector<std::size_t> row(b.size() + 1);
   for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
@@ -73,7 +87,7 @@ std::size_t edit_distance(const std::string& a, const std::string& b) {
 // A usage error: one line on stderr (rank 0 only), exit code 2, and for a mistyped subcommand
 // the nearest one.
 int usage_error(const CLI::App& app, const CLI::ParseError& error, int argc, char** argv) {
-  if (!launch_rank0()) return 2;
+  if (!launch_rank0()) return exit_after_rank0(2);
   std::string command = "mdist";
   for (const auto* sub : app.get_subcommands()) command += " " + sub->get_name();
   std::string message = error.what();
@@ -125,11 +139,10 @@ void add_model_data(CLI::App& app, ModelDataOptions& io, bool with_model = true)
 }
 
 int report(const char* command, const std::exception& error, int code, bool print) {
-  if (print) {
-    std::string message = error.what();
-    message = message.substr(0, message.find('\n'));
-    std::cerr << "mdist " << command << ": error: " << message << std::endl;
-  }
+  if (!print) return exit_after_rank0(code);
+  std::string message = error.what();
+  message = message.substr(0, message.find('\n'));
+  std::cerr << "mdist " << command << ": error: " << message << std::endl;
   return code;
 }
 
