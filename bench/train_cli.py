@@ -38,7 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -140,6 +140,9 @@ def main():
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--config", default="data/default")
     parser.add_argument("--corpus", default="data/corpus/macbeth.txt")
+    parser.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), "
+                             "as mdist train --param-dtype bf16")
     args = parser.parse_args()
     # What torch (the CUDA build's libraries too) and transformers hold once imported.
     import_rss = rss_mib("VmRSS")
@@ -158,9 +161,11 @@ def main():
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(config).float()  # transformers' _init_weights: std initializer_range
     params = sum(p.numel() for p in model.parameters())
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if args.param_dtype == "bf16" else MixedPrecisionPolicy())
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp_policy)
     model.train()
 
     losses, rates, rss = train_loop(
@@ -176,6 +181,7 @@ def main():
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__,
             "attn": getattr(model.config, "_attn_implementation", None),
+            "param_dtype": args.param_dtype,
         }), flush=True)
     dist.destroy_process_group()
 

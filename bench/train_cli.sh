@@ -9,7 +9,8 @@
 #   bench/train_cli.sh [steps=60]
 # Environment: BUILD_DIR (default build), RANKS ("1 2"), ROUNDS (3), WARMUP (5 steps left out of the
 # tokens/s median), SEQ_LEN (128), GLOBAL_BATCH (16 sequences, split over the ranks), LR (3e-3),
-# LR_WARMUP (30 steps), SEED (1234), RUN_TIMEOUT (600 s per run, so that a hung job becomes a
+# LR_WARMUP (30 steps), SEED (1234), PARAM_DTYPE (fp32, or bf16: both sides with FSDP2's bf16
+# mixed precision, mdist train --param-dtype bf16), RUN_TIMEOUT (600 s per run, so that a hung job becomes a
 # failed row), MDIST_CACHE (where the bench venv lives), SKIP_BUILD=1 (use the binaries in
 # BUILD_DIR as they are).
 # Needs a build (scripts/setup.sh) and creates a bench-only venv with torch and transformers
@@ -26,6 +27,11 @@ batch="${GLOBAL_BATCH:-16}"
 lr="${LR:-3e-3}"
 lr_warmup="${LR_WARMUP:-30}"
 seed="${SEED:-1234}"
+param_dtype="${PARAM_DTYPE:-fp32}" # bf16: both sides train with FSDP2's bf16 mixed precision
+[[ "$param_dtype" == fp32 || "$param_dtype" == bf16 ]] ||
+  { echo "PARAM_DTYPE is fp32 or bf16, not $param_dtype" >&2; exit 1; }
+dtype_flag=()
+[[ "$param_dtype" == bf16 ]] && dtype_flag=(--param-dtype bf16)
 run_timeout="${RUN_TIMEOUT:-600}"
 cache="${MDIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mdist}"
 venv="${MDIST_BENCH_VENV:-$cache/bench-venv}" # MDIST_BENCH_VENV: an existing venv with torch (a GPU machine's)
@@ -88,7 +94,8 @@ run_cpp() {
   local start=$SECONDS
   launch "$log" "$build/bin/mdistrun" --nproc-per-node "$world" "$build/bin/mdist" train \
     --steps "$steps" --seq-len "$seq_len" --global-batch "$batch" --lr "$lr" \
-    --warmup "$lr_warmup" --seed "$seed" --save-every 0 --eval-every 0 --overwrite --out "$out"
+    --warmup "$lr_warmup" --seed "$seed" --save-every 0 --eval-every 0 --overwrite --out "$out" \
+    "${dtype_flag[@]}"
   local rc=$?
   if [[ $rc -ne 0 ]]; then
     fail "$impl" "$world" "$rc" "$log"
@@ -128,7 +135,8 @@ run_py() {
   fi
   launch "$log" "$venv/bin/python" -m torch.distributed.run --standalone --nproc-per-node "$world" \
     bench/train_cli.py --steps "$steps" --warmup-steps "$warmup" --seq-len "$seq_len" \
-    --global-batch "$batch" --lr "$lr" --warmup "$lr_warmup" --seed "$seed"
+    --global-batch "$batch" --lr "$lr" --warmup "$lr_warmup" --seed "$seed" \
+    --param-dtype "$param_dtype"
   local rc=$?
   local line
   line="$(sed 's/^\[rank0\]: //' "$log" | grep '^{' | tail -n 1)"
@@ -149,10 +157,10 @@ done
 
 python3 - "$results" "$steps" "$warmup" "$batch" "$seq_len" "$lr" "$lr_warmup" "$seed" \
   "$(getconf _NPROCESSORS_ONLN)" "$((SECONDS - began))" "$load_before" \
-  "$(cut -d' ' -f1-3 /proc/loadavg)" <<'PY'
+  "$(cut -d' ' -f1-3 /proc/loadavg)" "$param_dtype" <<'PY'
 import json, sys
 (path, steps, warmup, batch, seq_len, lr, lr_warmup, seed, cores, elapsed, load_before,
- load_after) = sys.argv[1:]
+ load_after, param_dtype) = sys.argv[1:]
 rows = [json.loads(line) for line in open(path) if line.startswith("{")]
 CPP, PY = "mdist (C++)", "transformers + torch FSDP2 (Python)"
 py_ok = [r for r in rows if r["impl"] == PY and "error" not in r]
@@ -160,7 +168,9 @@ params = py_ok[0]["params"] if py_ok else "?"
 versions = (f"torch {py_ok[0]['torch']}, transformers {py_ok[0]['transformers']}, "
             f"attention {py_ok[0]['attn']}" if py_ok else "")
 print(f"`mdist train` on the default model (data/default: Llama, {params} parameters, 4 layers, "
-      f"hidden 128, vocab 256, fp32) and data (Macbeth bytes, first 90%)")
+      f"hidden 128, vocab 256, fp32 weights, " + ("fp32 compute" if param_dtype == "fp32" else
+      "bf16 mixed precision: param_dtype bf16, reduce_dtype fp32") +
+      ") and data (Macbeth bytes, first 90%)")
 print(f"vs transformers LlamaForCausalLM + torch fully_shard (Python; {versions})")
 print(f"global batch {batch} x {seq_len} tokens split over the ranks, {steps} steps, AdamW lr {lr} "
       f"(warm-up {lr_warmup}, cosine to 0.1x), clip 1.0, seed {seed}; each decoder layer then "
