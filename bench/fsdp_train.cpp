@@ -8,15 +8,16 @@
 //     fsdp_train [timed_steps=8] [warmup=3] [global_batch=4] [seq_len=128] [compute]
 // `compute` runs the same steps' forward + backward without fully_shard or optimizer and
 // prints only their median time (the compute part of the profile).
-// The roofline beside it: this machine's single-thread fp32 GEMM rate on the model's matmul
-// shapes (rank 0 alone), the loopback all-gather bandwidth, the model's FLOPs per step, and a
-// per-phase profile of the step: the same model's forward + backward without fully_shard
-// (compute, from the `compute` mode's separate run), the time blocked on collectives (communication
-// not hidden, from FsdpHandle::communication()), the optimizer, and the rest (fully_shard's own
-// work). FSDP_BENCH_ADAMW=plain steps torch::optim::AdamW instead of mdist::optim::FusedAdamW.
-// FSDP_BENCH_DEVICE=cuda computes on cuda:LOCAL_RANK (NCCL for the collectives; a CUDA build,
-// scripts/gpu_check.sh); FSDP_BENCH_PARAM_DTYPE=bf16 gathers and computes in bf16 with fp32
-// gradient reduction (MixedPrecisionPolicy), as the Python side does with the same variables.
+// The roofline beside it: this machine's single-thread GEMM rate (in the compute dtype) on the
+// model's matmul shapes (rank 0 alone), the loopback all-gather bandwidth, the model's FLOPs per
+// step, and a per-phase profile of the step: the same model's forward + backward without
+// fully_shard (compute, from the `compute` mode's separate run), the time blocked on collectives
+// (communication not hidden, from FsdpHandle::communication()), the optimizer, and the rest
+// (fully_shard's own work). FSDP_BENCH_ADAMW=plain steps torch::optim::AdamW instead of
+// mdist::optim::FusedAdamW. FSDP_BENCH_DEVICE=cuda computes on cuda:LOCAL_RANK (NCCL for the
+// collectives; a CUDA build, scripts/gpu_check.sh); FSDP_BENCH_PARAM_DTYPE=bf16 gathers and
+// computes in bf16 with fp32 gradient reduction (MixedPrecisionPolicy), as the Python side does
+// with the same variables.
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -139,9 +140,10 @@ double time_median(int repeats, Fn&& fn) {
   return median(t);
 }
 
-// fp32 GEMM FLOP/s of one thread on the model's matmul shapes ([tokens, in] x [in, out], each
-// weight once, as a forward runs them): the rate the step's matmuls could reach at best.
-double gemm_flops_per_s(int64_t tokens, const c10::Device& device) {
+// GEMM FLOP/s of one thread on the model's matmul shapes ([tokens, in] x [in, out], each
+// weight once, as a forward runs them) in the compute dtype (fp32, or bf16 under
+// FSDP_BENCH_PARAM_DTYPE=bf16): the rate the step's matmuls could reach at best.
+double gemm_flops_per_s(int64_t tokens, const c10::Device& device, c10::ScalarType dtype) {
   using C = mdist::bench::LlamaConfig;
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
       {C::kDim, C::kDim},          {C::kDim, C::kDim},          {C::kDim, C::kDim},
@@ -149,8 +151,8 @@ double gemm_flops_per_s(int64_t tokens, const c10::Device& device) {
       {C::kIntermediate, C::kDim}, {C::kDim, C::kVocab}};
   double flops = 0, time = 0;
   for (const auto& [in, out] : shapes) {
-    const at::Tensor a = torch::randn({tokens, in}, torch::device(device));
-    const at::Tensor b = torch::randn({in, out}, torch::device(device));
+    const at::Tensor a = torch::randn({tokens, in}, torch::device(device).dtype(dtype));
+    const at::Tensor b = torch::randn({in, out}, torch::device(device).dtype(dtype));
     time += time_median(5, [&] {
       static_cast<void>(at::mm(a, b));
       if (device.is_cuda()) torch::cuda::synchronize();
@@ -249,7 +251,9 @@ int bench(int argc, char** argv) {
   if (compute_only) {
     // The same forward + backward without fully_shard, every rank at once as in the training
     // steps (bench/fsdp_train.sh runs this mode beside each training run): the compute part
-    // of a step. Gradients are dropped; the weights do not change.
+    // of a step, in the dtype the training steps compute in. Gradients are dropped; the
+    // weights do not change.
+    if (const auto dtype = bench_param_dtype()) model->to(*dtype);
     std::vector<double> compute_times;
     for (int step = 0; step < warmup + timed; ++step) {
       const auto cpu_batch = mdist::bench::batch_tokens(step, rank * per_rank, per_rank, seq_len);
@@ -276,7 +280,10 @@ int bench(int argc, char** argv) {
   }
   // Rank 0 alone, so that the rate is one thread's on an otherwise idle core.
   double gemm_rate = 0;
-  if (rank == 0) gemm_rate = gemm_flops_per_s(per_rank * seq_len, device);
+  if (rank == 0) {
+    gemm_rate =
+        gemm_flops_per_s(per_rank * seq_len, device, bench_param_dtype().value_or(torch::kFloat32));
+  }
   mdist::barrier();
   int64_t layer_numel = 0;
   for (const auto& p : model->decoder_layers.front()->parameters()) layer_numel += p.numel();

@@ -185,8 +185,8 @@ for world in sorted({r["world"] for r in rows}):
     print(f"{world:>5} {len(pairs):>6} " + " ".join(f"{cell:>18}" for cell in cells))
 print()
 print("Roofline (mdist, the median-step round): model FLOPs per step = 6 x matmul parameters x tokens + "
-      "attention 12 B T^2 d L;\n  peak = the single-thread fp32 GEMM rate on the model's matmul shapes "
-      "(rank 0 alone) x min(ranks, cores)")
+      "attention 12 B T^2 d L;\n  peak = the single-thread GEMM rate in the compute dtype (fp32, or bf16 with "
+      "FSDP_BENCH_PARAM_DTYPE=bf16) on the model's matmul shapes (rank 0 alone) x min(ranks, cores)")
 head = (f"{'ranks':>5} {'GEMM GFLOP/s':>12} {'GFLOP/step':>10} {'achieved GFLOP/s':>16} {'of peak':>7} "
         f"{'gather MiB/rank':>15} {'reduce MiB/rank':>15} {'vs analytic':>11} {'wire MiB/rank':>13} "
         f"{'loopback MB/s':>13} {'wire time s':>11}")
