@@ -141,8 +141,12 @@ struct LlamaStackImpl : torch::nn::Module {
     return mdist::nn::hooked(*this, &LlamaStackImpl::body, ids);
   }
   at::Tensor body(const at::Tensor& ids) {
-    const auto [cos, sin] = rotary_tables(ids.size(1), LlamaConfig::kHeadDim);
+    auto [cos, sin] = rotary_tables(ids.size(1), LlamaConfig::kHeadDim);
     at::Tensor h = mdist::nn::call(embed_tokens, ids);
+    // In the activations' dtype, as transformers' rotary embedding returns them (a bf16 model
+    // run without fully_shard's input casts, fsdp_train's compute-only mode, needs it).
+    cos = cos.to(h.scalar_type());
+    sin = sin.to(h.scalar_type());
     for (auto& layer : decoder_layers) h = mdist::nn::call(layer, h, cos, sin);
     return mdist::nn::call(lm_head, mdist::nn::call(norm, h));
   }
