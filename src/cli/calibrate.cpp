@@ -166,7 +166,9 @@ int run_calibrate(const CalibrateOptions& o) {
   configure_threads();
   ModelChoice choice;
   TokenStream data;
+  std::optional<MixedPrecisionPolicy> mp_policy;
   agree_on_inputs([&] {
+    mp_policy = parse_param_dtype(o.io.param_dtype);
     check_at_least(o.max_sequences, 0, "--max-sequences");
     check_writable_file(o.out, "output file");
     check_tensor_parallel_size(o.io.tensor_parallel);
@@ -179,7 +181,7 @@ int run_calibrate(const CalibrateOptions& o) {
   const Windows windows(data, o.io.seq_len, "calibrate");
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
   const ParallelState& parallel = layout.parallel;
-  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, layout);
+  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, layout, mp_policy);
   model->eval();
   const torch::NoGradGuard no_grad;
   const c10::Device device = compute_device();
@@ -274,6 +276,7 @@ int run_calibrate(const CalibrateOptions& o) {
   const int64_t total =
       o.max_sequences > 0 ? std::min(o.max_sequences, windows.count()) : windows.count();
   say("mdist calibrate: model " + choice.description);
+  if (mp_policy) say("mdist calibrate: " + describe_mixed_precision(*mp_policy, model));
   say("mdist calibrate: " + tokenizer_line(choice));
   say("mdist calibrate: " + std::to_string(total) + " sequences of " +
       std::to_string(o.io.seq_len) + " tokens from " + data.description + ", " +

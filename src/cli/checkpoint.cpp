@@ -10,7 +10,10 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <sstream>
+#include <string_view>
 #include <vector>
 
 #include "mdist/fsdp/state_dict.h"
@@ -26,9 +29,17 @@ namespace mdist::cli {
 namespace {
 
 namespace fs = std::filesystem;
-// v2: each moment's metadata is "row_offset,col_offset"; v1 (rows only) is still read.
-constexpr const char* kOptimizerFormat = "mdist.adamw.blocks.v2";
+// v3: besides the moments ("NAME/exp_avg", "NAME/exp_avg_sq", "NAME/max_exp_avg_sq" under
+// amsgrad, each with metadata "row_offset,col_offset"), each parameter's own AdamW step count
+// ("NAME/step", int64 [1]), as torch keeps `step` per parameter in optimizer.state_dict(); the
+// metadata "no_state" lists (JSON) the parameters this file would have written but that have no
+// optimizer state yet (no gradient so far: an expert no token chose), and "cpu_rng_state" the
+// writing rank's generator. v2 (moments only, row and column offsets) and v1 (rows only) are
+// still read: their parameters resume at the trainer's global step.
+constexpr const char* kOptimizerFormat = "mdist.adamw.blocks.v3";
+constexpr const char* kOptimizerFormatV2 = "mdist.adamw.blocks.v2";
 constexpr const char* kOptimizerFormatV1 = "mdist.adamw.rows.v1";
+constexpr const char* kMoments[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
 
 std::string step_name(int step) {
   char name[32];
@@ -139,20 +150,31 @@ Block block_of(const std::string& name, const ParamPlacement& place, const hf::C
 void write_optimizer_rows(const fs::path& file, hf::CausalLM& model,
                           torch::optim::Optimizer& optimizer, const ParallelState& parallel) {
   std::map<std::string, at::Tensor> tensors;
-  std::map<std::string, std::string> metadata{{"format", kOptimizerFormat}};
+  std::map<std::string, std::string> metadata{{"format", kOptimizerFormat},
+                                              {"cpu_rng_state", cpu_rng_state()}};
+  auto no_state = nlohmann::json::array();
   const FirstCopies first_copies(model, parallel);
   for (const auto& [name, place] : param_placements(*model)) {
     const Block block = block_of(name, place, model, first_copies);
     if (!block.writes) continue;
     const auto* state = adamw_state(optimizer, place.param);
-    if (state == nullptr) continue;
-    for (const auto& [kind, moment] :
-         {std::pair{"exp_avg", state->exp_avg()}, std::pair{"exp_avg_sq", state->exp_avg_sq()}}) {
-      const std::string key = name + "/" + kind;
-      tensors[key] = owned(moment, place.rows).to(torch::kCPU);
+    if (state == nullptr) {
+      // Written down rather than left out, so that the loader tells a parameter that has no
+      // state yet from one whose state is missing.
+      no_state.push_back(name);
+      continue;
+    }
+    const at::Tensor moments[] = {state->exp_avg(), state->exp_avg_sq(), state->max_exp_avg_sq()};
+    for (std::size_t i = 0; i < std::size(kMoments); ++i) {
+      if (!moments[i].defined() || (i == 2 && moments[i].numel() == 0)) continue;
+      const std::string key = name + "/" + kMoments[i];
+      tensors[key] = owned(moments[i], place.rows).to(torch::kCPU);
       metadata[key] = std::to_string(block.row_offset) + "," + std::to_string(block.col_offset);
     }
+    tensors[name + "/step"] = torch::full({1}, state->step(), torch::kLong);
+    metadata[name + "/step"] = "0,0";
   }
+  metadata["no_state"] = no_state.dump();
   hf::save_safetensors(file, tensors, metadata);
 }
 
@@ -175,10 +197,37 @@ class OptimizerRows {
       const auto& file = *files_.back();
       const auto format = file.metadata().find("format");
       if (format == file.metadata().end() ||
-          (format->second != kOptimizerFormat && format->second != kOptimizerFormatV1)) {
+          (format->second != kOptimizerFormat && format->second != kOptimizerFormatV2 &&
+           format->second != kOptimizerFormatV1)) {
         throw InputError("'" + path.string() + "' is not an mdist optimizer state file");
       }
+      const bool v3 = format->second == kOptimizerFormat;
+      if (!paths_.empty() && v3 != per_parameter_steps_) {
+        throw InputError("'" + path.string() + "' is of another format (" + format->second +
+                         ") than the checkpoint's other optimizer state files");
+      }
+      per_parameter_steps_ = v3;
+      paths_.push_back(path);
+      if (const auto listed = file.metadata().find("no_state"); listed != file.metadata().end()) {
+        const auto names = nlohmann::json::parse(listed->second, nullptr, false);
+        if (!names.is_array()) {
+          throw InputError("'" + path.string() + "': \"no_state\" is not a JSON list of names");
+        }
+        for (const auto& name : names) {
+          if (!name.is_string()) {
+            throw InputError("'" + path.string() + "': \"no_state\" holds a non-name");
+          }
+          no_state_.insert(name.get<std::string>());
+        }
+      }
+      if (const auto rng = file.metadata().find("cpu_rng_state"); rng != file.metadata().end()) {
+        rng_states_[path.filename().string()] = rng->second;
+      }
       for (const auto& key : file.names()) {
+        if (key.ends_with("/step")) {
+          read_step(file, key);
+          continue;
+        }
         const auto offset = file.metadata().find(key);
         if (offset == file.metadata().end()) {
           throw InputError("'" + path.string() + "' has no row offset for '" + key + "'");
@@ -195,7 +244,30 @@ class OptimizerRows {
     }
   }
 
-  bool empty() const { return pieces_.empty(); }
+  bool empty() const { return pieces_.empty() && no_state_.empty(); }
+  // Whether the files keep each parameter's own AdamW step (v3); else every parameter resumes
+  // at the trainer's step.
+  bool per_parameter_steps() const { return per_parameter_steps_; }
+  const std::vector<fs::path>& paths() const { return paths_; }
+  // Whether `name` has optimizer state in the checkpoint (its first moment is there).
+  bool has_state(const std::string& name) const { return pieces_.contains(name + "/exp_avg"); }
+  bool has(const std::string& key) const { return pieces_.contains(key); }
+  // Whether a writer listed `name` as having no optimizer state. A v1/v2 writer left such a
+  // parameter out without saying so: there, a parameter with no moments at all counts as one.
+  bool listed_without_state(const std::string& name) const {
+    return per_parameter_steps_ ? no_state_.contains(name) : !has_state(name);
+  }
+  // `name`'s own step (v3 only; InputError when a parameter with moments has none).
+  int64_t step(const std::string& name) const {
+    const auto it = steps_.find(name);
+    if (it == steps_.end()) throw InputError("optimizer state has no '" + name + "/step'");
+    return it->second;
+  }
+  // The generator state saved by the writer of `file_name` (v3), if any.
+  std::optional<std::string> rng_state(const std::string& file_name) const {
+    const auto it = rng_states_.find(file_name);
+    return it == rng_states_.end() ? std::nullopt : std::optional(it->second);
+  }
 
   // Checks that the pieces of `key` lie inside `shape` (its full HF-layout shape), are float32
   // and cover it once.
@@ -270,8 +342,35 @@ class OptimizerRows {
     int64_t col_offset;
     int64_t cols;
   };
+  // A parameter's step, written by each rank holding a first copy of part of it: the copies
+  // must agree.
+  void read_step(const hf::SafetensorsFile& file, const std::string& key) {
+    const auto& info = file.info(key);
+    if (info.dtype != at::kLong || c10::multiply_integers(info.shape) != 1) {
+      throw InputError("optimizer state file '" + file.path().string() + "': '" + key +
+                       "' is not one int64 step count");
+    }
+    const int64_t value = file.tensor(key).reshape({}).item<int64_t>();
+    const std::string name = key.substr(0, key.size() - std::string_view("/step").size());
+    if (value < 0) {
+      throw InputError("optimizer state file '" + file.path().string() + "': '" + key +
+                       "' is negative (" + std::to_string(value) + ")");
+    }
+    const auto [it, inserted] = steps_.emplace(name, value);
+    if (!inserted && it->second != value) {
+      throw InputError("optimizer state files disagree on '" + key + "' (" +
+                       std::to_string(it->second) + " and " + std::to_string(value) + " in '" +
+                       file.path().string() + "')");
+    }
+  }
+
   std::vector<std::unique_ptr<hf::SafetensorsFile>> files_;
+  std::vector<fs::path> paths_;
   std::map<std::string, std::vector<Piece>> pieces_;
+  std::map<std::string, int64_t> steps_;
+  std::set<std::string> no_state_;
+  std::map<std::string, std::string> rng_states_;  // by file name
+  bool per_parameter_steps_ = false;
 };
 
 void replace_directory(const fs::path& from, const fs::path& to) {
@@ -283,25 +382,36 @@ void replace_directory(const fs::path& from, const fs::path& to) {
   fs::remove_all(old, ec);
 }
 
+// Removes a step directory, renamed to a hidden name first, so that a crash mid-removal never
+// leaves a visible, partial step directory (which resume_point would take for damage).
+void remove_hidden(const fs::path& dir, const fs::path& step) {
+  std::error_code ec;
+  const fs::path hidden = dir / (".old-" + step.filename().string());
+  fs::remove_all(hidden, ec);
+  fs::rename(step, hidden, ec);
+  fs::remove_all(ec ? step : hidden, ec);
+}
+
 // Keeps the newest `keep` checkpoints up to `current`. Checkpoints of a later step belong to
 // an earlier run in the same directory that this (fresh) run replaces: they go too, so that
 // "newest" always means this run's.
 void prune(const fs::path& dir, const std::string& current, int keep) {
-  std::vector<fs::path> steps;
+  std::vector<fs::path> steps, later;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const auto name = entry.path().filename().string();
     if (!entry.is_directory() || name.rfind("step-", 0) != 0) continue;
     if (name > current) {
-      fs::remove_all(entry.path(), ec);
+      later.push_back(entry.path());
     } else {
       steps.push_back(entry.path());
     }
   }
+  for (const auto& step : later) remove_hidden(dir, step);
   std::sort(steps.begin(), steps.end());
   const auto excess = static_cast<std::ptrdiff_t>(steps.size()) - std::max(1, keep);
   for (std::ptrdiff_t i = 0; i < excess; ++i) {
-    fs::remove_all(steps[static_cast<std::size_t>(i)], ec);
+    remove_hidden(dir, steps[static_cast<std::size_t>(i)]);
   }
 }
 
@@ -398,6 +508,79 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   return newest;
 }
 
+ResumePoint resume_point(const fs::path& run_dir) {
+  const fs::path dir = run_dir / "checkpoints";
+  ResumePoint point;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return point;
+  // What a save leaves: a hidden .tmp-step-N while it writes (renamed into place only when
+  // complete), then `latest` rewritten. So a visible step directory without trainer_state.json,
+  // or a `latest` naming a directory that is not there, is damage, not an interrupted save.
+  std::vector<std::string> steps, interrupted;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const auto name = entry.path().filename().string();
+    if (!entry.is_directory(ec)) continue;
+    if (name.rfind("step-", 0) == 0) steps.push_back(name);
+    if (name.rfind(".tmp-step-", 0) == 0) interrupted.push_back(name.substr(5));
+  }
+  std::sort(steps.begin(), steps.end());
+  const auto complete = [&](const std::string& name) {
+    return fs::is_regular_file(dir / name / "trainer_state.json", ec);
+  };
+  std::optional<std::string> pointer;
+  if (std::ifstream latest(dir / "latest"); latest) {
+    std::string name;
+    std::getline(latest, name);
+    if (name.empty() || name.find('/') != std::string::npos || name.rfind("step-", 0) != 0) {
+      throw InputError("'" + (dir / "latest").string() + "' does not name a step directory (\"" +
+                       name.substr(0, 64) + "\")");
+    }
+    pointer = name;
+  }
+  const auto newest_complete = [&]() -> std::optional<std::string> {
+    for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+      if (complete(*it)) return *it;
+    }
+    return std::nullopt;
+  }();
+  const std::string fix = "; to continue from an earlier checkpoint, write its name into " +
+                          (dir / "latest").string() + " (the newest complete one is " +
+                          newest_complete.value_or("none") + ")";
+  if (pointer && !fs::is_directory(dir / *pointer, ec)) {
+    throw InputError("'" + (dir / "latest").string() + "' names " + *pointer +
+                     ", which does not exist (removed or damaged)" + fix);
+  }
+  // The newest step directory must be a complete checkpoint: anything else is damage, and
+  // falling back to an older one would silently throw away training.
+  if (!steps.empty() && !complete(steps.back())) {
+    throw InputError("checkpoint '" + (dir / steps.back()).string() +
+                     "' is damaged (no trainer_state.json)" + fix);
+  }
+  if (pointer && !complete(*pointer)) {
+    throw InputError("checkpoint '" + (dir / *pointer).string() +
+                     "', named by checkpoints/latest, is damaged (no trainer_state.json)" + fix);
+  }
+  const std::optional<std::string> chosen = pointer ? pointer : newest_complete;
+  if (!chosen) return point;
+  point.checkpoint = dir / *chosen;
+  if (!pointer) {
+    point.warnings.push_back("'" + (dir / "latest").string() + "' is missing (a save interrupted " +
+                             "before it was written); using the newest complete checkpoint " +
+                             *chosen);
+  } else if (newest_complete && *newest_complete > *pointer) {
+    point.warnings.push_back("checkpoints/latest names " + *pointer + "; the newer " +
+                             *newest_complete + " is not used (latest set back by hand, or a " +
+                             "save interrupted before it updated latest)");
+  }
+  for (const auto& name : interrupted) {
+    if (name > *chosen) {
+      point.warnings.push_back("an interrupted save of " + name + " (checkpoints/.tmp-" + name +
+                               ") is ignored: the steps after " + *chosen + " are trained again");
+    }
+  }
+  return point;
+}
+
 TrainerState read_trainer_state(const fs::path& checkpoint) {
   const fs::path path = checkpoint / "trainer_state.json";
   std::ifstream in(path);
@@ -458,24 +641,58 @@ TrainerState read_trainer_state(const fs::path& checkpoint) {
   return state;
 }
 
-void check_optimizer_state(const fs::path& checkpoint, const hf::LlamaConfig& config, int step) {
-  const OptimizerRows rows(checkpoint / "optimizer");
+OptimizerStateCheck check_optimizer_state(const fs::path& checkpoint, const hf::LlamaConfig& config,
+                                          int step) {
+  const fs::path dir = checkpoint / "optimizer";
+  const OptimizerRows rows(dir);
+  const auto bad = [&](const std::string& what) {
+    return InputError("checkpoint '" + checkpoint.string() + "': " + what);
+  };
   if (rows.empty()) {
-    if (step > 0) {
-      throw InputError("checkpoint '" + checkpoint.string() + "' has no optimizer state");
+    if (step > 0) throw bad("has no optimizer state");
+    return {};
+  }
+  // Every writing rank's file: a lost one would leave some parameters partly covered, or (for
+  // a rank holding whole parameters alone) without state as if they had none.
+  int world = -1;
+  std::set<int> ranks;
+  for (const auto& path : rows.paths()) {
+    int r = -1, w = -1;
+    char tail = 0;
+    if (std::sscanf(path.filename().c_str(), "rank-%d-of-%d.safetensor%c", &r, &w, &tail) != 3 ||
+        path.filename() != rank_file(r, w) || (world != -1 && w != world)) {
+      throw bad("optimizer/" + path.filename().string() +
+                " is not one of the rank files rank-RRRRR-of-WWWWW.safetensors of one world size");
     }
-    return;
+    world = w;
+    ranks.insert(r);
+  }
+  for (int r = 0; r < world; ++r) {
+    if (!ranks.contains(r)) {
+      throw bad("optimizer/" + rank_file(r, world) + " is missing (the checkpoint is incomplete)");
+    }
   }
   const hf::CausalLM meta(config, c10::kMeta);
   for (const auto& item : meta->named_parameters()) {
-    for (const char* kind : {"exp_avg", "exp_avg_sq"}) {
-      try {
-        rows.check(item.key() + "/" + kind, item.value().sizes());
-      } catch (const InputError& error) {
-        throw InputError("checkpoint '" + checkpoint.string() + "': " + error.what());
+    const std::string& name = item.key();
+    try {
+      if (rows.has_state(name)) {
+        for (const char* kind : kMoments) {
+          const std::string key = name + "/" + kind;
+          // amsgrad's maximum is there for every parameter with state, or for none.
+          if (std::string_view(kind) == "max_exp_avg_sq" && !rows.has(key)) continue;
+          rows.check(key, item.value().sizes());
+        }
+        if (rows.per_parameter_steps()) (void)rows.step(name);
+      } else if (!rows.listed_without_state(name)) {
+        throw InputError("optimizer state has no '" + name +
+                         "/exp_avg' and does not list the parameter as one without state");
       }
+    } catch (const InputError& error) {
+      throw bad(error.what());
     }
   }
+  return {.per_parameter_steps = rows.per_parameter_steps(), .world_size = world};
 }
 
 void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
@@ -488,22 +705,36 @@ void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
   const torch::NoGradGuard no_grad;
   const FirstCopies first_copies(model, parallel);
   for (const auto& [name, place] : param_placements(*model)) {
-    auto fresh = std::make_unique<torch::optim::AdamWParamState>();
-    fresh->step(state.step);
-    auto exp_avg = torch::zeros_like(place.param, at::MemoryFormat::Contiguous);
-    auto exp_avg_sq = torch::zeros_like(place.param, at::MemoryFormat::Contiguous);
-    if (place.rows > 0) {
-      const Block block = block_of(name, place, model, first_copies);
-      const auto target = [&](at::Tensor& t) { return t.dim() == 0 ? t.view({1}) : t; };
-      rows.read(name + "/exp_avg", block.row_offset, place.rows, block.col_offset, target(exp_avg));
-      rows.read(name + "/exp_avg_sq", block.row_offset, place.rows, block.col_offset,
-                target(exp_avg_sq));
+    auto* key = place.param.unsafeGetTensorImpl();
+    if (!rows.has_state(name)) {
+      // As torch's AdamW loading a state dict without an entry for the parameter: it gets its
+      // state (step 0, zero moments) at its first gradient.
+      optimizer.state().erase(key);
+      continue;
     }
-    fresh->exp_avg(exp_avg);
-    fresh->exp_avg_sq(exp_avg_sq);
-    optimizer.state()[place.param.unsafeGetTensorImpl()] = std::move(fresh);
+    auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+    fresh->step(rows.per_parameter_steps() ? rows.step(name) : state.step);
+    const Block block = block_of(name, place, model, first_copies);
+    const auto target = [](at::Tensor& t) { return t.dim() == 0 ? t.view({1}) : t; };
+    const auto read = [&](const char* kind) {
+      auto moment = torch::zeros_like(place.param, at::MemoryFormat::Contiguous);
+      if (place.rows > 0) {
+        rows.read(name + "/" + kind, block.row_offset, place.rows, block.col_offset,
+                  target(moment));
+      }
+      return moment;
+    };
+    fresh->exp_avg(read("exp_avg"));
+    fresh->exp_avg_sq(read("exp_avg_sq"));
+    if (rows.has(name + "/max_exp_avg_sq")) fresh->max_exp_avg_sq(read("max_exp_avg_sq"));
+    optimizer.state()[key] = std::move(fresh);
   }
-  set_cpu_rng_state(state.rng_state_hex);
+  // Each rank's own generator when the world is the one that wrote the checkpoint; else (or
+  // for an older checkpoint) rank 0's, from trainer_state.json.
+  const auto own = rows.rng_state(rank_file(rank(), size()));
+  const bool usable = own && own->size() == cpu_rng_state().size() &&
+                      own->find_first_not_of("0123456789abcdef") == std::string::npos;
+  set_cpu_rng_state(usable ? *own : state.rng_state_hex);
 }
 
 }  // namespace mdist::cli

@@ -2,7 +2,8 @@
 // Training checkpoints of `mdist train`, in RUN/checkpoints/step-NNNNNNNN/:
 //   config.json, model.safetensors (or shards + index)   the Hugging Face layout, loadable by
 //                                                        transformers and by --model
-//   optimizer/rank-RRRRR-of-WWWWW.safetensors            each rank's block of AdamW's moments
+//   optimizer/rank-RRRRR-of-WWWWW.safetensors            each rank's block of AdamW's moments,
+//                                                        each parameter's step, its generator
 //   trainer_state.json                                   step, data position, RNG, run flags
 // and RUN/checkpoints/latest naming the newest. A checkpoint is written into a hidden temporary
 // directory and renamed into place only once every rank has finished its part, so a crash
@@ -47,8 +48,20 @@ void save_training_checkpoint(const std::filesystem::path& run_dir, hf::CausalLM
                               int keep, const ParallelState& parallel = ParallelState(),
                               const std::vector<std::filesystem::path>& carried = {});
 
-// The newest complete checkpoint of a run, if any.
+// The newest complete checkpoint of a run, if any (lenient: for messages about a run).
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
+
+// The checkpoint a run continues from (--resume, --model RUN_DIR): the one `latest` names.
+// Without `latest` (a first save interrupted before writing it), the newest complete step, with
+// a warning; so too a newer complete step than `latest`'s, or an interrupted save beyond it,
+// each one warning line. Damage that no interrupted save leaves (`latest` naming a directory
+// that is not there, the newest step directory or latest's without trainer_state.json) is an
+// InputError naming it, rather than a silent fall-back that loses training.
+struct ResumePoint {
+  std::optional<std::filesystem::path> checkpoint;  // none: the run has no checkpoint
+  std::vector<std::string> warnings;
+};
+ResumePoint resume_point(const std::filesystem::path& run_dir);
 
 // Reads and validates trainer_state.json: InputError naming the file and the field when it is
 // missing, malformed or inconsistent (a step below 1 or not the directory's, a data position
@@ -56,16 +69,29 @@ std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::pa
 // size).
 TrainerState read_trainer_state(const std::filesystem::path& checkpoint);
 
-// Validates the optimizer files of a checkpoint for a model of `config` before anything is
-// loaded: every file readable and of mdist's format, and for every parameter both AdamW moments
-// present, in float32, inside the parameter's full shape and covering it. InputError naming
-// the file and the tensor otherwise. Rank-local (each rank reads the file headers).
-void check_optimizer_state(const std::filesystem::path& checkpoint, const hf::LlamaConfig& config,
-                           int step);
+// What check_optimizer_state found.
+struct OptimizerStateCheck {
+  // Whether each parameter's own AdamW step is kept (format v3). An older checkpoint's
+  // parameters resume at the trainer's step, which is exact only for parameters that were
+  // stepped at every step (no expert left without tokens, no skipped step).
+  bool per_parameter_steps = true;
+  int world_size = 0;  // of the writing job (0: no optimizer state)
+};
 
-// Loads the optimizer's moments (each rank its own rows) and restores the RNG. The model's
-// weights are not read here: a resumed model is built from the checkpoint directory itself
-// (build_wrapped_model). The optimizer must hold the model's parameters.
+// Validates the optimizer files of a checkpoint for a model of `config` before anything is
+// loaded: every rank's file present, readable and of mdist's format, and for every parameter
+// either its AdamW moments (float32, inside the parameter's full shape and covering it) and
+// its own step, or its name on a writer's list of parameters without state (no gradient yet).
+// InputError naming the file and the tensor otherwise. Rank-local (each rank reads the file
+// headers).
+OptimizerStateCheck check_optimizer_state(const std::filesystem::path& checkpoint,
+                                          const hf::LlamaConfig& config, int step);
+
+// Loads the optimizer's state (each rank its own rows of the moments, each parameter's step;
+// a parameter saved without state gets none, as torch's AdamW) and restores the RNG (each
+// rank its own when the world size is the writer's). The model's weights are not read here: a
+// resumed model is built from the checkpoint directory itself (build_wrapped_model). The
+// optimizer must hold the model's parameters.
 void load_training_checkpoint(const std::filesystem::path& checkpoint, hf::CausalLM& model,
                               torch::optim::Optimizer& optimizer, const TrainerState& state,
                               const ParallelState& parallel = ParallelState());

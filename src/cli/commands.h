@@ -22,6 +22,10 @@ struct ModelDataOptions {
   int tensor_parallel = 1;          // --tp: ranks per tensor-parallel group (dp = world / tp)
   int expert_parallel = 1;          // --ep: ranks per expert-parallel group (carved out of dp)
   std::optional<double> timeout_s;  // --timeout (else MDIST_TIMEOUT, else 30 min)
+  // --param-dtype: empty (compute in the weights' dtype), or the dtype FSDP2's mixed precision
+  // gathers and computes in (parse_param_dtype). The same in train, eval and calibrate, so a
+  // held-out loss logged by train is what eval gives for the checkpoint.
+  std::string param_dtype;
 };
 
 // --resume: off (a fresh run), always (bare --resume: continue, a checkpoint must exist), or
@@ -50,9 +54,10 @@ struct TrainOptions {
   std::optional<std::filesystem::path> eval_data;  // else the eval split of the training data
   std::int64_t eval_max_sequences = 256;           // 0: all
   double watchdog_s = 300;  // report a rank that lags the others' step this long (0: never)
-  // --param-dtype: empty (compute in the weights' dtype), or the dtype FSDP2's mixed precision
-  // gathers and computes in (parse_param_dtype).
-  std::string param_dtype;
+  // --router-aux-loss-coef: the weight of a mixture of experts' load-balancing loss in the
+  // objective. nullopt: the config's (router_aux_loss_coef when output_router_logits is true,
+  // else none, as transformers); 0: none; else this weight.
+  std::optional<double> router_aux_loss_coef;
 };
 
 struct EvalOptions {
@@ -81,6 +86,7 @@ struct GenerateOptions {
   std::uint64_t seed = 1234;
   int tensor_parallel = 1;
   std::optional<double> timeout_s;
+  std::string param_dtype;  // as ModelDataOptions::param_dtype
   std::filesystem::path default_run = "runs/default";
 };
 

@@ -68,7 +68,9 @@ int run_eval(const EvalOptions& o) {
   configure_threads();
   ModelChoice choice;
   TokenStream data;
+  std::optional<MixedPrecisionPolicy> mp_policy;
   agree_on_inputs([&] {
+    mp_policy = parse_param_dtype(o.io.param_dtype);
     check_at_least(o.batch_size, 1, "--batch-size");
     if (o.out) check_writable_file(*o.out, "output file");
     check_tensor_parallel_size(o.io.tensor_parallel);
@@ -81,8 +83,9 @@ int run_eval(const EvalOptions& o) {
   const Windows windows(data, o.io.seq_len, "eval");
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
   const ParallelState& parallel = layout.parallel;
-  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, layout);
+  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, layout, mp_policy);
   say("mdist eval: model " + choice.description);
+  if (mp_policy) say("mdist eval: " + describe_mixed_precision(*mp_policy, model));
   say("mdist eval: " + tokenizer_line(choice));
   say("mdist eval: data " + data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens on " + describe_layout(layout));

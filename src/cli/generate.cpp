@@ -18,7 +18,9 @@ int run_generate(const GenerateOptions& o) {
   const Session session(setup_options(o.timeout_s));
   configure_threads();
   ModelChoice choice;
+  std::optional<MixedPrecisionPolicy> mp_policy;
   agree_on_inputs([&] {
+    mp_policy = parse_param_dtype(o.param_dtype);
     if (o.max_new_tokens < 0) throw InputError("--max-new-tokens must not be negative");
     if (!o.greedy && !(std::isfinite(o.temperature) && o.temperature > 0)) {
       throw InputError("--temperature must be a positive number (or use --greedy), got " +
@@ -35,12 +37,13 @@ int run_generate(const GenerateOptions& o) {
     }
   });
   const JobLayout layout = make_layout(o.tensor_parallel);
-  hf::CausalLM model = build_wrapped_model(choice, o.seed, layout);
+  hf::CausalLM model = build_wrapped_model(choice, o.seed, layout, mp_policy);
   model->eval();
   const torch::NoGradGuard no_grad;
   auto generator = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   const c10::Device device = compute_device();
   say("mdist generate: model " + choice.description);
+  if (mp_policy) say("mdist generate: " + describe_mixed_precision(*mp_policy, model));
   say("mdist generate: " + tokenizer_line(choice));
 
   // With a tokenizer the prompt is encoded (with its special tokens, as a prompt is in

@@ -91,7 +91,44 @@ SetupOptions setup_options(const std::optional<double>& timeout_s) {
   return options;
 }
 
-ModelChoice model_from_dir(const std::filesystem::path& dir) {
+namespace {
+
+// A run directory of `mdist train` (checkpoints/, no config.json) or its checkpoints/latest
+// pointer, as a user types them for --model: the run's latest checkpoint, and how it was found.
+std::optional<std::pair<std::filesystem::path, std::string>> run_checkpoint(
+    const std::filesystem::path& given) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path run;
+  if (fs::is_regular_file(given, ec) && given.filename() == "latest" &&
+      given.parent_path().filename() == "checkpoints") {
+    run = given.parent_path().parent_path();
+  } else if (fs::is_directory(given, ec) && !fs::exists(given / "config.json", ec) &&
+             fs::is_directory(given / "checkpoints", ec)) {
+    run = given;
+  } else {
+    return std::nullopt;
+  }
+  const ResumePoint point = resume_point(run);
+  if (!point.checkpoint) {
+    throw InputError("--model '" + given.string() + "': the run '" + run.string() +
+                     "' has no complete checkpoint yet");
+  }
+  std::string how = "the latest checkpoint of the run " + run.string();
+  for (const auto& warning : point.warnings) how += "; warning: " + warning;
+  return std::pair{*point.checkpoint, how};
+}
+
+}  // namespace
+
+ModelChoice model_from_dir(const std::filesystem::path& given) {
+  if (const auto found = run_checkpoint(given)) {
+    ModelChoice choice = model_from_dir(found->first);
+    choice.description =
+        found->first.string() + " (" + choice.config.architecture + "; " + found->second + ")";
+    return choice;
+  }
+  const std::filesystem::path& dir = given;
   std::error_code ec;
   const auto status = std::filesystem::status(dir, ec);
   if (!std::filesystem::exists(status)) {
@@ -168,7 +205,7 @@ ModelChoice default_model() {
 ModelChoice model_for_inference(const std::optional<std::filesystem::path>& dir,
                                 const std::filesystem::path& default_run) {
   if (dir) return model_from_dir(*dir);
-  if (const auto latest = latest_checkpoint(default_run)) {
+  if (const auto latest = resume_point(default_run).checkpoint) {
     auto choice = model_from_dir(*latest);
     choice.description = latest->string() + " (latest checkpoint of the default training run)";
     return choice;
@@ -218,6 +255,16 @@ std::optional<MixedPrecisionPolicy> parse_param_dtype(const std::string& name) {
         name + "'");
   }
   return policy;
+}
+
+std::string describe_mixed_precision(const MixedPrecisionPolicy& policy, hf::CausalLM& model) {
+  const auto name = [](c10::ScalarType t) -> std::string {
+    return t == at::kBFloat16 ? "bf16" : t == at::kFloat ? "fp32" : c10::toString(t);
+  };
+  return "mixed precision: gathered and computed in " +
+         name(policy.param_dtype.value_or(at::kFloat)) + ", gradients reduced in " +
+         name(policy.reduce_dtype.value_or(at::kFloat)) + ", weights (and AdamW state) in " +
+         name(model->parameters().front().scalar_type()) + " (--param-dtype)";
 }
 
 hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,

@@ -67,7 +67,9 @@ std::string tokenizer_line(const ModelChoice& model);
 std::vector<std::filesystem::path> tokenizer_files(const ModelChoice& model);
 
 // Checks a model directory (exists, readable, config.json of a supported architecture,
-// safetensors present and valid); throws InputError naming the problem.
+// safetensors present and valid); throws InputError naming the problem. A run directory of
+// `mdist train` (RUN, or RUN/checkpoints/latest) stands for the run's latest checkpoint
+// (resume_point: a damaged one is refused), which the description names.
 ModelChoice model_from_dir(const std::filesystem::path& dir);
 ModelChoice default_model();
 // `dir` if given; else the latest checkpoint of `default_run` (a default `mdist train`) if there
@@ -110,6 +112,10 @@ hf::CausalLM build_wrapped_model(
 // dtype. fp16 is refused (it needs loss scaling, which mdist train does not do), as is any
 // other name (InputError naming the flag).
 std::optional<MixedPrecisionPolicy> parse_param_dtype(const std::string& name);
+
+// "mixed precision: gathered and computed in bf16, ..." for the log of a command run with
+// --param-dtype.
+std::string describe_mixed_precision(const MixedPrecisionPolicy& policy, hf::CausalLM& model);
 
 // Checks --tp against the world and the model (InputError naming the sizes); call inside
 // agree_on_inputs.

@@ -52,6 +52,14 @@ void add_timeout(CLI::App& app, std::optional<double>& timeout_s) {
 
 // This process's rank as the launcher set it (before the job is joined): only rank 0 reports
 // a usage error, which every rank sees alike.
+void add_param_dtype(CLI::App& app, std::string& param_dtype) {
+  app.add_option("--param-dtype", param_dtype,
+                 "Mixed precision (FSDP2's param_dtype): gather and compute in bf16 (or fp32); "
+                 "in training, gradients are reduced in fp32 and the weights and AdamW state "
+                 "keep their dtype (default: compute in the weights' dtype)")
+      ->type_name("DTYPE");
+}
+
 bool launch_rank0() {
   const char* rank = std::getenv("RANK");
   return rank == nullptr || *rank == '\0' || std::strcmp(rank, "0") == 0;
@@ -136,6 +144,7 @@ void add_model_data(CLI::App& app, ModelDataOptions& io, bool with_model = true)
   add_tensor_parallel(app, io.tensor_parallel);
   add_expert_parallel(app, io.expert_parallel);
   add_timeout(app, io.timeout_s);
+  add_param_dtype(app, io.param_dtype);
 }
 
 int report(const char* command, const std::exception& error, int code, bool print) {
@@ -223,11 +232,11 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->type_name("SECONDS");
   train_cmd
-      ->add_option("--param-dtype", train.param_dtype,
-                   "Mixed precision (FSDP2's param_dtype): gather and compute forward and "
-                   "backward in bf16 (or fp32), reduce gradients in fp32; the weights and AdamW "
-                   "state keep their dtype (default: compute in the weights' dtype)")
-      ->type_name("DTYPE");
+      ->add_option("--router-aux-loss-coef", train.router_aux_loss_coef,
+                   "Weight of a mixture of experts' load-balancing loss in the objective "
+                   "(0: none); default: the config's router_aux_loss_coef when its "
+                   "output_router_logits is true, else none (as transformers)")
+      ->type_name("W");
   train_cmd
       ->add_option("--eval-max-sequences", train.eval_max_sequences,
                    "Held-out sequences per evaluation (0: all)")
@@ -280,6 +289,7 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--seed", generate.seed, "Sampling seed")->capture_default_str();
   add_tensor_parallel(*generate_cmd, generate.tensor_parallel);
   add_timeout(*generate_cmd, generate.timeout_s);
+  add_param_dtype(*generate_cmd, generate.param_dtype);
   generate_cmd->footer(
       "\nWithout --model: the latest checkpoint of runs/default, else the seeded default model.");
 

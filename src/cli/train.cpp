@@ -4,8 +4,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <sstream>
 
 #include "mdist/ep/dispatch.h"
@@ -45,7 +47,9 @@ nlohmann::json run_flags(const TrainOptions& o, const TokenStream& data, const M
           {"steps", o.steps},
           {"tensor_parallel", o.io.tensor_parallel},  // informative: a resume may change them
           {"expert_parallel", o.io.expert_parallel},
-          {"param_dtype", o.param_dtype.empty() ? "weights" : o.param_dtype}};
+          {"param_dtype", o.io.param_dtype.empty() ? "weights" : o.io.param_dtype},
+          {"router_aux_loss_coef", o.router_aux_loss_coef ? nlohmann::json(*o.router_aux_loss_coef)
+                                                          : nlohmann::json("config")}};
 }
 
 void check_resume_flags(const nlohmann::json& saved, const nlohmann::json& now,
@@ -110,6 +114,25 @@ std::vector<std::pair<int, double>> loss_points(const fs::path& metrics, const c
   return points;
 }
 
+// Steps whose loss is made NaN on purpose (MDIST_FAULT_NONFINITE_STEPS=2,5): a fault injection
+// for the tests of --skip-nonfinite-steps and of resuming after a skipped step, which no small
+// model reaches otherwise without blowing up for good. Empty when unset.
+std::set<int> injected_nonfinite_steps() {
+  std::set<int> steps;
+  const char* env = std::getenv("MDIST_FAULT_NONFINITE_STEPS");
+  if (env == nullptr) return steps;
+  std::istringstream list(env);
+  for (std::string item; std::getline(list, item, ',');) {
+    try {
+      steps.insert(std::stoi(item));
+    } catch (const std::exception&) {
+      throw InputError("MDIST_FAULT_NONFINITE_STEPS must list step numbers (2,5), got '" +
+                       std::string(env) + "'");
+    }
+  }
+  return steps;
+}
+
 std::string format_number(const char* fmt, double value) {
   char text[64];
   std::snprintf(text, sizeof(text), fmt, value);
@@ -130,9 +153,13 @@ int run_train(const TrainOptions& o) {
   std::optional<fs::path> resume_from;
   std::optional<TrainerState> resumed;
   bool replace_earlier = false;
+  bool already_complete = false;  // --resume auto on a run that has reached --steps
+  std::set<int> fault_steps;
+  std::vector<std::string> warnings;
   std::optional<MixedPrecisionPolicy> mp_policy;
   agree_on_inputs([&] {
-    mp_policy = parse_param_dtype(o.param_dtype);
+    mp_policy = parse_param_dtype(o.io.param_dtype);
+    fault_steps = injected_nonfinite_steps();
     check_at_least(o.steps, 1, "--steps");
     check_at_least(o.global_batch, 1, "--global-batch");
     check_tensor_parallel_size(tp);
@@ -157,6 +184,9 @@ int run_train(const TrainOptions& o) {
     if (o.eval_every) check_at_least(*o.eval_every, 0, "--eval-every");
     check_at_least(o.eval_max_sequences, 0, "--eval-max-sequences");
     check_non_negative(o.watchdog_s, "--watchdog");
+    if (o.router_aux_loss_coef) {
+      check_non_negative(*o.router_aux_loss_coef, "--router-aux-loss-coef (0: none)");
+    }
     const bool automatic = o.resume == ResumeMode::automatic;
     if (o.resume == ResumeMode::always && o.io.model_dir) {
       throw InputError("--resume continues from the last checkpoint of '" + o.out.string() +
@@ -167,8 +197,10 @@ int run_train(const TrainOptions& o) {
     }
     check_writable_dir(o.out, "output directory");
     RunLock::check_free(o.out);
-    const auto latest =
-        o.resume != ResumeMode::off ? latest_checkpoint(o.out) : std::optional<fs::path>();
+    ResumePoint point;
+    if (o.resume != ResumeMode::off) point = resume_point(o.out);
+    const auto& latest = point.checkpoint;
+    warnings = point.warnings;
     if (o.resume == ResumeMode::always && !latest) {
       throw InputError("--resume: no checkpoint in '" + (o.out / "checkpoints").string() + "'");
     }
@@ -218,13 +250,34 @@ int run_train(const TrainOptions& o) {
     if (resumed) {
       check_resume_flags(resumed->run, run_flags(o, data, model_choice), *resume_from);
       model_choice.description = resume_from->string() + " (resumed)";
+      if (resumed->step >= o.steps && automatic) {
+        // A restart after the last checkpoint (a rank that died in teardown): nothing to do.
+        already_complete = true;
+        return;
+      }
       if (resumed->step >= o.steps) {
         throw InputError("--resume: the checkpoint is at step " + std::to_string(resumed->step) +
                          ", not before --steps " + std::to_string(o.steps));
       }
-      check_optimizer_state(*resume_from, model_choice.config, resumed->step);
+      const auto optimizer_state =
+          check_optimizer_state(*resume_from, model_choice.config, resumed->step);
+      if (!optimizer_state.per_parameter_steps) {
+        warnings.push_back("checkpoint " + resume_from->string() +
+                           " (written by an earlier mdist) keeps no per-parameter AdamW step: "
+                           "every parameter resumes at step " +
+                           std::to_string(resumed->step) +
+                           ", which is not exact for a parameter that missed steps (an expert "
+                           "without tokens, a skipped step)");
+      }
     }
   });
+  for (const auto& warning : warnings) say("mdist train: warning: " + warning);
+  if (already_complete) {
+    say("mdist train: the run in " + o.out.string() + " is already complete (" +
+        resume_from->string() + " is at step " + std::to_string(resumed->step) + " of --steps " +
+        std::to_string(o.steps) + "); nothing to do, nothing written");
+    return 0;
+  }
   const Windows windows(data, o.io.seq_len, "train");
   WindowOrder order(windows.count(), o.io.seed);
   std::optional<Windows> held_out;
@@ -267,14 +320,22 @@ int run_train(const TrainOptions& o) {
 
   say("mdist train: " + describe_layout(layout) + ", model " + model_choice.description);
   say("mdist train: " + tokenizer_line(model_choice));
-  if (mp_policy) {
-    const auto name = [](c10::ScalarType t) -> std::string {
-      return t == at::kBFloat16 ? "bf16" : t == at::kFloat ? "fp32" : c10::toString(t);
-    };
-    say("mdist train: mixed precision: gathered and computed in " + name(*mp_policy->param_dtype) +
-        ", gradients reduced in " + name(*mp_policy->reduce_dtype) +
-        ", weights and AdamW state in " + name(model->parameters().front().scalar_type()) +
-        " (--param-dtype)");
+  if (mp_policy) say("mdist train: " + describe_mixed_precision(*mp_policy, model));
+  // A mixture of experts' objective: the loss plus aux_coef x the load-balancing loss, as
+  // transformers adds it only when the config's output_router_logits is true.
+  const auto& moe = model->config.moe;
+  const double aux_coef = !moe ? 0.0
+                               : o.router_aux_loss_coef.value_or(
+                                     moe->output_router_logits ? moe->router_aux_loss_coef : 0.0);
+  if (moe) {
+    say("mdist train: load-balancing loss " +
+        (aux_coef > 0 ? "in the objective with weight " + flag_value(aux_coef)
+                      : std::string("not in the objective")) +
+        (o.router_aux_loss_coef      ? " (--router-aux-loss-coef)"
+         : moe->output_router_logits ? " (the config's router_aux_loss_coef, output_router_logits "
+                                       "true)"
+                                     : " (the config's output_router_logits is false; "
+                                       "--router-aux-loss-coef W adds it)"));
   }
   say("mdist train: data " + data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens; global batch " +
@@ -322,12 +383,14 @@ int run_train(const TrainOptions& o) {
     const at::Tensor logits = model->forward(ids);
     // With tensor parallelism the logits are this rank's vocabulary columns; the loss is the
     // whole vocabulary's (vocab-parallel cross entropy), the same on every rank of the group.
-    const at::Tensor loss = hf::causal_lm_loss(model, logits, ids);
-    // A mixture of experts trains on loss + router_aux_loss_coef * load-balancing loss, as
-    // transformers does with output_router_logits (every token of a window is real: no mask).
-    const auto& moe = model->config.moe;
+    const at::Tensor loss =
+        fault_steps.contains(step)
+            ? hf::causal_lm_loss(model, logits, ids) * std::numeric_limits<double>::quiet_NaN()
+            : hf::causal_lm_loss(model, logits, ids);
+    // The load-balancing loss (every token of a window is real: no mask) is measured for the
+    // log in any case, and in the objective with weight aux_coef.
     const at::Tensor aux = moe ? model->aux_loss() : at::Tensor();
-    (moe ? loss + moe->router_aux_loss_coef * aux.to(loss.device()) : loss).backward();
+    (aux_coef > 0 ? loss + aux_coef * aux.to(loss.device()) : loss).backward();
     const double grad_norm = hf::clip_grad_norm_(model, max_norm);
 
     // One small all-gather per step, before the update: each rank's (loss, peak RSS). Every
@@ -389,7 +452,7 @@ int run_train(const TrainOptions& o) {
       if (moe) {
         line["aux_loss"] =
             std::isfinite(mean_aux) ? nlohmann::json(mean_aux) : nlohmann::json(nullptr);
-        line["router_aux_loss_coef"] = moe->router_aux_loss_coef;
+        line["router_aux_loss_coef"] = aux_coef;  // its weight in the objective (0: not in it)
         if (layout.expert_parallel() > 1) line["all_to_all_bytes"] = sent;
       }
       if (o.skip_nonfinite) {

@@ -249,6 +249,74 @@ TEST_P(ExpertParallelCheckpoint, ResumesInEveryLayoutAsTheUnsplitRun) {
   if (mdist::is_master()) std::filesystem::remove_all(base);
 }
 
+// Each parameter's AdamW step is its own, as in torch's optimizer.state_dict(): a parameter
+// that got no gradient in one step (frozen for it, an expert no token chose) is at step 2
+// while the trainer is at step 3, and one that never got a gradient has no state. Saved and
+// loaded, unwrapped and FSDP-sharded: still 2, still no state, the same moments.
+TEST(TrainingCheckpoint, KeepsEachParametersStepAndParametersWithoutState) {
+  const LlamaConfig config =
+      LlamaConfig::from_file(std::string(MDIST_HF_MODEL_FIXTURES) + "/llama/config.json");
+  const std::string missed = "model.layers.0.mlp.up_proj.weight", never = "model.norm.weight";
+  torch::manual_seed(5);
+  const at::Tensor batch = torch::randint(0, config.vocab_size, {kGlobalBatch, kSeqLen});
+  for (const bool wrap : {false, true}) {
+    const std::string what = wrap ? "FSDP-sharded" : "unwrapped";
+    const std::filesystem::path run = mdist::broadcast(
+        (std::filesystem::temp_directory_path() /
+         ("mdist-step-checkpoint-" + std::to_string(::getpid()) + (wrap ? "-fsdp" : "")))
+            .string());
+    CausalLM model = seeded(config);
+    if (wrap) mdist::fsdp2_wrap(*model);
+    auto opt = adamw(model);
+    auto params = model->named_parameters();
+    for (int step = 1; step <= 3; ++step) {
+      const at::Tensor local = batch.narrow(0, mdist::rank() * (kGlobalBatch / mdist::size()),
+                                            kGlobalBatch / mdist::size());
+      opt.zero_grad();
+      mdist::hf::causal_lm_loss(model->forward(local), local).backward();
+      if (!wrap) reduce_gradients(model, mdist::Group::world());
+      params[never].mutable_grad() = at::Tensor();
+      if (step == 2) params[missed].mutable_grad() = at::Tensor();
+      opt.step();
+    }
+    ASSERT_EQ(state_of(opt, params[missed]).step(), 2) << what;
+    ASSERT_FALSE(opt.state().count(params[never].unsafeGetTensorImpl())) << what;
+    mdist::cli::TrainerState state;
+    state.step = 3;
+    state.sequences_seen = 3 * kGlobalBatch;
+    state.run = nlohmann::json::object();
+    const mdist::ParallelState parallel = mdist::make_parallel_state({});
+    mdist::cli::save_training_checkpoint(run, model, opt, state, 1, parallel);
+    const auto checkpoint = mdist::cli::latest_checkpoint(run);
+    ASSERT_TRUE(checkpoint.has_value()) << what;
+    const auto check = mdist::cli::check_optimizer_state(*checkpoint, config, 3);
+    EXPECT_TRUE(check.per_parameter_steps) << what;
+    EXPECT_EQ(check.world_size, mdist::size()) << what;
+
+    CausalLM loaded = seeded(config);
+    if (wrap) mdist::fsdp2_wrap(*loaded);
+    auto loaded_opt = adamw(loaded);
+    mdist::cli::load_training_checkpoint(*checkpoint, loaded, loaded_opt,
+                                         mdist::cli::read_trainer_state(*checkpoint), parallel);
+    const auto loaded_params = loaded->named_parameters();
+    for (const auto& item : params) {
+      void* key = loaded_params[item.key()].unsafeGetTensorImpl();
+      if (item.key() == never) {
+        EXPECT_FALSE(loaded_opt.state().count(key)) << what << ": " << item.key();
+        continue;
+      }
+      ASSERT_TRUE(loaded_opt.state().count(key)) << what << ": " << item.key();
+      const auto& saved = state_of(opt, item.value());
+      const auto& got = state_of(loaded_opt, loaded_params[item.key()]);
+      EXPECT_EQ(got.step(), item.key() == missed ? 2 : 3) << what << ": " << item.key();
+      EXPECT_TRUE(got.exp_avg().equal(saved.exp_avg())) << what << ": " << item.key();
+      EXPECT_TRUE(got.exp_avg_sq().equal(saved.exp_avg_sq())) << what << ": " << item.key();
+    }
+    mdist::barrier();
+    if (mdist::is_master()) std::filesystem::remove_all(run);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Architectures, ExpertParallelCheckpoint,
                          ::testing::Values("qwen3_moe", "mixtral", "qwen2_moe"));
 

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iomanip>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -224,12 +225,14 @@ TEST_F(MdistCommand, AFreshRunReplacesAnEarlierRunOnlyWithOverwrite) {
 }
 
 // A mixture of experts (Qwen3-MoE: a sparse and a dense layer) in the main job: its
-// load-balancing loss is reported beside the loss and trained on with the config's
-// router_aux_loss_coef. With coef 0 the first step's loss is the same (the aux term does not
-// change the forward) but the router is not pushed to balance: a large coef leaves a lower
-// aux loss. Tensor parallelism of MoE layers is refused (one line, exit 2, nothing written).
-TEST_F(MdistCommand, TrainAddsTheMoeAuxLossWithTheConfigsCoefficient) {
-  const auto model_with = [&](const std::string& name, double coef) {
+// load-balancing loss is reported beside the loss, and in the objective with the config's
+// router_aux_loss_coef only when the config's output_router_logits is true (as transformers adds
+// it); --router-aux-loss-coef overrides both ways. With the term off the run is bit for bit the
+// coefficient-0 run's; with it on the first step's loss is the same (the aux term does not
+// change the forward) but the router is pushed to balance: a large coef leaves a lower aux loss.
+// Tensor parallelism of MoE layers is refused (one line, exit 2, nothing written).
+TEST_F(MdistCommand, TrainAddsTheMoeAuxLossAsTheConfigSays) {
+  const auto model_with = [&](const std::string& name, double coef, bool output_router_logits) {
     const auto config_dir = dir_ / (name + "-config");
     fs::create_directories(config_dir);
     std::ofstream(config_dir / "config.json")
@@ -238,25 +241,44 @@ TEST_F(MdistCommand, TrainAddsTheMoeAuxLossWithTheConfigsCoefficient) {
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                "vocab_size": 256, "num_experts": 4, "num_experts_per_tok": 2,
                "moe_intermediate_size": 32, "mlp_only_layers": [1], "norm_topk_prob": true,
-               "router_aux_loss_coef": )"
-        << coef << "}\n";
+               "output_router_logits": )"
+        << (output_router_logits ? "true" : "false") << R"(, "router_aux_loss_coef": )" << coef
+        << "}\n";
     const auto model = dir_ / name;
     const auto r =
         mdist::testing::run({MDIST_SAVE_FOR_TRANSFORMERS, config_dir.string(), model.string()});
     EXPECT_EQ(r.exit_code, 0) << describe(r);
     return model;
   };
-  const auto balanced = model_with("balanced", 20.0), free = model_with("free", 0.0);
-  const auto run_balanced = dir_ / "run-balanced", run_free = dir_ / "run-free";
-  auto r = mdist(2, train_args({"--model", balanced.string(), "--steps", "12", "--lr", "3e-3",
-                                "--out", run_balanced.string()}));
-  ASSERT_EQ(r.exit_code, 0) << describe(r);
-  r = mdist(2, train_args({"--model", free.string(), "--steps", "12", "--lr", "3e-3", "--out",
-                           run_free.string()}));
-  ASSERT_EQ(r.exit_code, 0) << describe(r);
-  const auto with_aux = metrics(run_balanced), without = metrics(run_free);
+  const auto balanced = model_with("balanced", 20.0, true), free = model_with("free", 0.0, true),
+             off = model_with("off", 20.0, false);
+  const auto train = [&](const fs::path& model, const std::string& name,
+                         std::vector<std::string> more) {
+    const auto out = dir_ / name;
+    const auto r = mdist(2, train_args(with({"--model", model.string(), "--steps", "12", "--lr",
+                                             "3e-3", "--out", out.string()},
+                                            more)));
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return std::pair{r.out, metrics(out)};
+  };
+  const auto [balanced_log, with_aux] = train(balanced, "run-balanced", {});
+  const auto [free_log, without] = train(free, "run-free", {});
+  const auto [off_log, by_config] = train(off, "run-off", {});
+  const auto [flag_on_log, flag_on] = train(off, "run-flag-on", {"--router-aux-loss-coef", "20"});
+  const auto [flag_off_log, flag_off] =
+      train(balanced, "run-flag-off", {"--router-aux-loss-coef", "0"});
   ASSERT_EQ(with_aux.size(), 12u);
   ASSERT_EQ(without.size(), 12u);
+  ASSERT_EQ(by_config.size(), 12u);
+  ASSERT_EQ(flag_on.size(), 12u);
+  ASSERT_EQ(flag_off.size(), 12u);
+  EXPECT_THAT(balanced_log, HasSubstr("load-balancing loss in the objective with weight 20 (the "
+                                      "config's router_aux_loss_coef, output_router_logits true)"));
+  EXPECT_THAT(off_log, HasSubstr("load-balancing loss not in the objective (the config's "
+                                 "output_router_logits is false; --router-aux-loss-coef W adds "
+                                 "it)"));
+  EXPECT_THAT(flag_on_log, HasSubstr("load-balancing loss in the objective with weight 20 "
+                                     "(--router-aux-loss-coef)"));
   for (const auto& line : with_aux) {
     ASSERT_TRUE(line.contains("aux_loss")) << line.dump();
     EXPECT_GT(line["aux_loss"].get<double>(), 0) << line.dump();
@@ -267,15 +289,29 @@ TEST_F(MdistCommand, TrainAddsTheMoeAuxLossWithTheConfigsCoefficient) {
   EXPECT_LT(with_aux.back()["aux_loss"].get<double>(),
             without.back()["aux_loss"].get<double>() - 1e-3);
   EXPECT_NE(with_aux[1]["loss"].get<double>(), without[1]["loss"].get<double>());
+  // Off by the config, or by the flag: the coefficient-0 run; on by the flag: the run with the
+  // config's term on. The same weights, the same batches: equal bit for bit.
+  for (std::size_t i = 0; i < 12; ++i) {
+    EXPECT_EQ(by_config[i]["loss"], without[i]["loss"]) << "step " << i + 1;
+    EXPECT_EQ(by_config[i]["router_aux_loss_coef"], 0.0);
+    EXPECT_EQ(flag_off[i]["loss"], without[i]["loss"]) << "step " << i + 1;
+    EXPECT_EQ(flag_on[i]["loss"], with_aux[i]["loss"]) << "step " << i + 1;
+    EXPECT_EQ(flag_on[i]["aux_loss"], with_aux[i]["aux_loss"]) << "step " << i + 1;
+  }
 
   const auto refused = dir_ / "refused";
-  r = mdist(2, train_args({"--model", balanced.string(), "--tp", "2", "--steps", "2", "--out",
-                           refused.string()}));
+  auto r = mdist(2, train_args({"--model", balanced.string(), "--tp", "2", "--steps", "2", "--out",
+                                refused.string()}));
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist train: error: --tp 2: cannot split the model over "
                                "2 tensor-parallel ranks: Qwen3MoeForCausalLM is a mixture of "
                                "experts; tensor parallelism of MoE layers is not supported yet"));
   EXPECT_THAT(r.err, Not(HasSubstr("[rank1]")));
+  EXPECT_FALSE(fs::exists(refused));
+  r = mdist(1, train_args({"--model", balanced.string(), "--router-aux-loss-coef", "-1", "--out",
+                           refused.string()}));
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("mdist train: error: --router-aux-loss-coef (0: none)"));
   EXPECT_FALSE(fs::exists(refused));
 }
 
@@ -957,7 +993,15 @@ TEST_F(MdistChecks, ResumeValidatesTheTrainerStateAndTheOptimizerFiles) {
        [](const fs::path& ckpt) {
          fs::remove(ckpt / "optimizer" / "rank-00001-of-00002.safetensors");
        },
-       "optimizer state for '"},
+       "optimizer/rank-00001-of-00002.safetensors is missing (the checkpoint is incomplete)"},
+      // Damage that no interrupted save leaves: no silent fall-back to step 2.
+      {"latest-names-a-missing-step", [](const fs::path& ckpt) { fs::remove_all(ckpt); },
+       "checkpoints/latest' names step-00000004, which does not exist (removed or damaged); to "
+       "continue from an earlier checkpoint, write its name into "},
+      {"newest-without-trainer-state",
+       [](const fs::path& ckpt) { fs::remove(ckpt / "trainer_state.json"); },
+       "step-00000004' is damaged (no trainer_state.json); to continue from an earlier "
+       "checkpoint, write its name into "},
   };
   for (const auto& c : cases) {
     const auto run = dir_ / c.name;
@@ -1064,6 +1108,31 @@ TEST_F(MdistChecks, TrainLogsTheHeldOutLossItsCheckpointsEvaluateTo) {
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   const double evaluated = nlohmann::json::parse(read(json))["loss"];
   EXPECT_NEAR(runs[0][0]["eval_loss"].get<double>(), evaluated, 1e-6 * evaluated);
+  // --model takes what a run leaves: its directory and its checkpoints/latest pointer stand for
+  // the latest checkpoint (step 4), which the log names; the same loss as the step directory.
+  const auto run = dir_ / "np1";
+  const auto latest = run / "checkpoints" / "step-00000004";
+  std::vector<double> losses;
+  for (const auto& model : {latest, run, run / "checkpoints" / "latest"}) {
+    const auto e =
+        mdist(1, {"eval", "--model", model.string(), "--seq-len", "32", "--out", json.string()});
+    ASSERT_EQ(e.exit_code, 0) << model << "\n" << describe(e);
+    if (model != latest) {
+      EXPECT_THAT(e.out, HasSubstr("mdist eval: model " + latest.string() +
+                                   " (LlamaForCausalLM; the latest checkpoint of the run " +
+                                   run.string() + ")"));
+    }
+    losses.push_back(nlohmann::json::parse(read(json))["loss"]);
+  }
+  EXPECT_EQ(losses[1], losses[0]);
+  EXPECT_EQ(losses[2], losses[0]);
+  EXPECT_NEAR(runs[0][1]["eval_loss"].get<double>(), losses[0], 1e-6 * losses[0]);
+  const auto empty = dir_ / "empty-run";
+  fs::create_directories(empty / "checkpoints");
+  const auto e = mdist(1, {"eval", "--model", empty.string(), "--seq-len", "32"});
+  EXPECT_EQ(e.exit_code, 2) << describe(e);
+  EXPECT_THAT(e.err, HasSubstr("mdist eval: error: --model '" + empty.string() + "': the run '" +
+                               empty.string() + "' has no complete checkpoint yet"));
 }
 
 // Usage errors: exit code 2 and one line (from rank 0 only), a mistyped subcommand gets the
@@ -1083,7 +1152,8 @@ TEST_F(MdistChecks, Bf16MixedPrecisionComputesInBf16AndKeepsFp32Weights) {
   const auto [fp32_run, fp32] = run(2, "fp32", {"--save-every", "0"});
   const std::vector<std::string> bf16_flags = {"--param-dtype", "bf16"};
   const auto [bf16_run, bf16] =
-      run(2, "bf16", with(bf16_flags, {"--save-every", "4", "--keep", "5"}));
+      run(2, "bf16",
+          with(bf16_flags, {"--save-every", "4", "--keep", "5", "--eval-max-sequences", "0"}));
   const auto [one_run, one] = run(1, "bf16-one", with(bf16_flags, {"--save-every", "0"}));
   const auto [tp_run, tp] = run(2, "bf16-tp", with(bf16_flags, {"--save-every", "0", "--tp", "2"}));
   ASSERT_EQ(fp32.size(), 8u);
@@ -1091,7 +1161,7 @@ TEST_F(MdistChecks, Bf16MixedPrecisionComputesInBf16AndKeepsFp32Weights) {
   ASSERT_EQ(one.size(), 8u);
   ASSERT_EQ(tp.size(), 8u);
   EXPECT_THAT(bf16_run.out, HasSubstr("mixed precision: gathered and computed in bf16, gradients "
-                                      "reduced in fp32, weights and AdamW state in fp32"));
+                                      "reduced in fp32, weights (and AdamW state) in fp32"));
   EXPECT_THAT(fp32_run.out, Not(HasSubstr("mixed precision")));
   const double first_fp32 = fp32[0]["loss"], first_bf16 = bf16[0]["loss"];
   EXPECT_NE(first_bf16, first_fp32) << "--param-dtype bf16 computed in fp32";
@@ -1109,6 +1179,29 @@ TEST_F(MdistChecks, Bf16MixedPrecisionComputesInBf16AndKeepsFp32Weights) {
   ASSERT_FALSE(saved.tensors().empty());
   for (const auto& [name, t] : saved.tensors()) EXPECT_EQ(t.dtype, "F32") << name;
   EXPECT_EQ(nlohmann::json::parse(std::ifstream(step4 / "config.json"))["torch_dtype"], "float32");
+  // The held-out loss logged in bf16 at the checkpoint is what `mdist eval --param-dtype bf16`
+  // gives for it, on 1 rank with eval's own batch size too; in fp32, eval gives another number.
+  const auto held = metrics(dir_ / "bf16", "eval_loss");
+  ASSERT_EQ(held.size(), 2u);
+  ASSERT_EQ(held[0]["step"], 4);
+  const auto evaluate = [&](int ranks, std::vector<std::string> more) {
+    const auto json = dir_ / "eval.json";
+    const auto r = mdist(
+        ranks,
+        with({"eval", "--model", step4.string(), "--seq-len", "32", "--out", json.string()}, more));
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return nlohmann::json::parse(read(json))["loss"].get<double>();
+  };
+  const double logged = held[0]["eval_loss"];
+  const double same_layout = evaluate(2, with(bf16_flags, {"--batch-size", "2"}));
+  const double one_rank = evaluate(1, bf16_flags);
+  const double in_fp32 = evaluate(1, {});
+  EXPECT_NEAR(same_layout, logged, 1e-6 * logged);
+  EXPECT_NEAR(one_rank, logged, 1e-6 * logged);
+  EXPECT_GT(std::abs(in_fp32 - logged), 1e-5 * logged) << "eval --param-dtype bf16 ran in fp32";
+  std::cout << std::setprecision(9) << "held-out loss at step 4: train (bf16) " << logged
+            << ", eval bf16 " << same_layout << " (2 ranks, batch 2) / " << one_rank
+            << " (1 rank, batch 8), eval fp32 " << in_fp32 << std::endl;
   // Resumed from step 4 (the model read from the checkpoint, wrapped with the policy again):
   // the same losses as the uninterrupted bf16 run.
   const auto cut = dir_ / "cut";
@@ -1205,6 +1298,123 @@ TEST_F(MdistChecks, ResumeAutoStartsThenContinuesAnInterruptedRun) {
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_THAT(r.err, HasSubstr("mdist train: error: --resume: no checkpoint in '" +
                                (empty / "checkpoints").string() + "'"));
+}
+
+// --resume auto on a run that has reached --steps (a restart after a rank died in teardown):
+// "already complete", exit 0, nothing written; a bare --resume still refuses it.
+TEST_F(MdistChecks, ResumeAutoOnAFinishedRunIsCompleteAndWritesNothing) {
+  const auto run = dir_ / "run";
+  const auto args = train_args({"--steps", "2", "--save-every", "1", "--out", run.string()});
+  auto r = mdist(2, args);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const auto snapshot = [&] {
+    std::map<std::string, std::pair<std::string, fs::file_time_type>> files;
+    for (const auto& entry : fs::recursive_directory_iterator(run)) {
+      files[fs::relative(entry.path(), run).string()] = {
+          entry.is_regular_file() ? read(entry.path()) : "", fs::last_write_time(entry.path())};
+    }
+    return files;
+  };
+  const auto before = snapshot();
+  r = mdist(2, with(args, {"--resume", "auto"}));
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_THAT(r.out,
+              HasSubstr("mdist train: the run in " + run.string() + " is already complete (" +
+                        (run / "checkpoints" / "step-00000002").string() +
+                        " is at step 2 of --steps 2); nothing to do, nothing written"));
+  EXPECT_TRUE(snapshot() == before) << "a finished run was written to";
+  // Under mdistrun --max-restarts the same: one attempt, exit 0.
+  const std::vector<std::string> argv = {
+      MDIST_LAUNCHER, "--nproc-per-node", "2", "--max-restarts", "2", MDIST_CLI};
+  r = mdist::testing::run(with(with(argv, args), {"--resume", "auto"}));
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(snapshot() == before) << "a finished run was written to";
+  r = mdist(2, with(args, {"--resume"}));
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("--resume: the checkpoint is at step 2, not before --steps 2"));
+}
+
+// A step skipped as non-finite (--skip-nonfinite-steps; the NaN injected by
+// MDIST_FAULT_NONFINITE_STEPS) leaves every parameter's AdamW step one behind the trainer's;
+// a run resumed from a checkpoint after it continues exactly as the uninterrupted run.
+TEST_F(MdistChecks, ResumeAfterASkippedStepIsExact) {
+  const std::map<std::string, std::string> fault = {{"MDIST_FAULT_NONFINITE_STEPS", "2"}};
+  const auto args = train_args({"--steps", "6", "--save-every", "1", "--keep", "10",
+                                "--skip-nonfinite-steps", "--eval-every", "0"});
+  const auto whole = dir_ / "whole";
+  auto r = mdist(2, with(args, {"--out", whole.string()}), fault);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const auto expected = metrics(whole);
+  ASSERT_EQ(expected.size(), 6u);
+  EXPECT_TRUE(expected[1]["skipped"].get<bool>());
+  EXPECT_FALSE(expected[2]["skipped"].get<bool>());
+  const auto cut = dir_ / "cut";
+  fs::copy(whole, cut, fs::copy_options::recursive);
+  for (const char* later : {"step-00000004", "step-00000005", "step-00000006"}) {
+    fs::remove_all(cut / "checkpoints" / later);
+  }
+  std::ofstream(cut / "checkpoints" / "latest") << "step-00000003\n";
+  r = mdist(2, with(args, {"--out", cut.string(), "--resume"}), fault);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_THAT(r.out, Not(HasSubstr("warning")));
+  const auto resumed = metrics(cut);
+  ASSERT_EQ(resumed.size(), 6u);
+  for (std::size_t i = 3; i < 6; ++i) {
+    const double a = expected[i]["loss"], b = resumed[i]["loss"];
+    EXPECT_NEAR(b, a, 1e-6 * a) << "step " << i + 1;
+  }
+  SafetensorsEdit x(whole / "checkpoints" / "step-00000006" / "model.safetensors");
+  SafetensorsEdit y(cut / "checkpoints" / "step-00000006" / "model.safetensors");
+  for (auto& [name, tensor] : x.tensors()) {
+    const auto a = x.floats(name), b = y.floats(name);
+    ASSERT_EQ(a.size(), b.size()) << name;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      ASSERT_NEAR(b[i], a[i], 1e-6 * std::max(1.0F, std::abs(a[i]))) << name << "[" << i << "]";
+    }
+  }
+}
+
+// What an interrupted save leaves is resumed from with one warning line each, naming what was
+// not used: no `latest` yet (a first save cut between its rename and the pointer), a newer
+// complete step than `latest` names, a hidden .tmp- directory of a save that never finished.
+TEST_F(MdistChecks, ResumeSaysWhichCheckpointItSkippedAndWhy) {
+  const auto original = dir_ / "original";
+  const auto args = train_args({"--steps", "6", "--save-every", "2", "--keep", "5"});
+  auto r = mdist(1, with(args, {"--steps", "4", "--out", original.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  struct Case {
+    std::string name;
+    std::function<void(const fs::path&)> damage;
+    std::string warning;
+    std::string resumed_from;
+  };
+  const std::vector<Case> cases = {
+      {"no-latest", [](const fs::path& c) { fs::remove(c / "latest"); },
+       "' is missing (a save interrupted before it was written); using the newest complete "
+       "checkpoint step-00000004",
+       "step-00000004"},
+      {"latest-behind", [](const fs::path& c) { std::ofstream(c / "latest") << "step-00000002\n"; },
+       "checkpoints/latest names step-00000002; the newer step-00000004 is not used",
+       "step-00000002"},
+      {"interrupted-save",
+       [](const fs::path& c) { fs::create_directories(c / ".tmp-step-00000006" / "optimizer"); },
+       "an interrupted save of step-00000006 (checkpoints/.tmp-step-00000006) is ignored: the "
+       "steps after step-00000004 are trained again",
+       "step-00000004"},
+  };
+  for (const auto& c : cases) {
+    const auto run = dir_ / c.name;
+    fs::copy(original, run, fs::copy_options::recursive);
+    c.damage(run / "checkpoints");
+    r = mdist(1, with(args, {"--out", run.string(), "--resume"}));
+    ASSERT_EQ(r.exit_code, 0) << c.name << "\n" << describe(r);
+    EXPECT_THAT(r.out, HasSubstr("mdist train: warning: ")) << c.name;
+    EXPECT_THAT(r.out, HasSubstr(c.warning)) << c.name;
+    EXPECT_THAT(r.out,
+                HasSubstr("(resumed from " + (run / "checkpoints" / c.resumed_from).string()))
+        << c.name;
+    EXPECT_EQ(metrics(run).size(), 6u) << c.name;
+  }
 }
 
 // Restarts that lose no training: rank 1 is SIGKILLed at 5 random moments of a run under

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -44,12 +45,14 @@ class MdistCommand : public ::testing::Test {
 
   // mdistrun --nproc-per-node N mdist ARGS... (OMP_NUM_THREADS=1: the same arithmetic on
   // every rank count).
-  static RunResult mdist(int ranks, std::vector<std::string> args) {
+  static RunResult mdist(int ranks, std::vector<std::string> args,
+                         const std::map<std::string, std::string>& env = {}) {
     std::vector<std::string> argv = {MDIST_LAUNCHER, "--nproc-per-node", std::to_string(ranks),
                                      MDIST_CLI};
     argv.insert(argv.end(), args.begin(), args.end());
     mdist::testing::RunOptions options;
     options.env["OMP_NUM_THREADS"] = "1";
+    for (const auto& [name, value] : env) options.env[name] = value;
     options.timeout = std::chrono::seconds(240);
     return mdist::testing::run(argv, options);
   }
@@ -136,9 +139,12 @@ class MdistCommand : public ::testing::Test {
   }
 
 #ifdef MDIST_SAVE_FOR_TRANSFORMERS
-  // A seeded Qwen3-MoE directory in dir_/NAME (two sparse layers, top-2 of `experts`, hidden 32,
-  // byte vocabulary, load-balancing coefficient `aux`), written by mdist's save_pretrained.
-  fs::path qwen3_moe_model(const std::string& name, int experts, double aux = 0.01) {
+  // A seeded Qwen3-MoE directory in dir_/NAME (two sparse layers, top-`top_k` of `experts`,
+  // hidden 32, byte vocabulary, load-balancing coefficient `aux`, in the objective when it is
+  // not 0: output_router_logits), written by mdist's save_pretrained. norm_topk_prob only for
+  // top_k > 1: normalising one routing weight makes it 1, and the router's gradient rounding
+  // noise that AdamW turns into layout-dependent steps.
+  fs::path qwen3_moe_model(const std::string& name, int experts, double aux = 0.01, int top_k = 2) {
     const auto config_dir = dir_ / (name + "-config");
     fs::create_directories(config_dir);
     std::ofstream(config_dir / "config.json")
@@ -146,9 +152,10 @@ class MdistCommand : public ::testing::Test {
                "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
                "vocab_size": 256, "num_experts": )"
-        << experts << R"(, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-               "norm_topk_prob": true, "router_aux_loss_coef": )"
-        << aux << "}\n";
+        << experts << R"(, "num_experts_per_tok": )" << top_k
+        << R"(, "moe_intermediate_size": 16, "norm_topk_prob": )" << (top_k > 1 ? "true" : "false")
+        << R"(, "output_router_logits": )" << (aux != 0 ? "true" : "false")
+        << R"(, "router_aux_loss_coef": )" << aux << "}\n";
     const auto model = dir_ / name;
     const auto r = run({MDIST_SAVE_FOR_TRANSFORMERS, config_dir.string(), model.string()});
     EXPECT_EQ(r.exit_code, 0) << describe(r);

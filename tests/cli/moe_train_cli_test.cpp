@@ -6,13 +6,21 @@
 
 #include <ATen/ATen.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <random>
+#include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mdist/hf/safetensors.h"
@@ -167,6 +175,159 @@ TEST_F(MdistMoeTrain, ResumesAcrossExpertParallelLayouts) {
     std::cout << what << ": losses within " << gap << " (relative), final weights within "
               << weights.value << " (" << weights.where << ")" << std::endl;
   }
+}
+
+// Resume is exact where parameters miss steps: 16 experts, top-1, 4 sequences of 8 tokens a
+// step, so that some experts get no token in some steps (their AdamW step count lags the
+// trainer's, as in torch's AdamW) and some none before the first checkpoint (no optimizer state
+// at all). Checkpointed every step on (dp, ep) = (1, 1), (2, 1), (2, 2), (4, 2), (4, 4); resumed
+// from step 1 on the next layout and from step 3 on the same one: the uninterrupted losses and
+// final weights (1e-6).
+TEST_F(MdistMoeTrain, ResumeIsExactForExpertsThatMissSteps) {
+  const auto model = qwen3_moe_model("moe16", 16, 0.0, 1);
+  const auto args = train_args(
+      {"--steps", "6", "--save-every", "1", "--keep", "10", "--seq-len", "8", "--eval-every", "0"});
+  const struct Layout {
+    int ranks;
+    int ep;
+  } layouts[] = {{1, 1}, {2, 1}, {2, 2}, {4, 2}, {4, 4}};
+  const auto on = [&](const Layout& l, std::vector<std::string> more) {
+    if (l.ep > 1) more.insert(more.end(), {"--ep", std::to_string(l.ep)});
+    return mdist(l.ranks, with(args, more));
+  };
+  const auto name = [](const Layout& l) {
+    return std::to_string(l.ranks) + "x" + std::to_string(l.ep);
+  };
+  // The steps each parameter's AdamW state is at in a checkpoint, and the parameters the
+  // checkpoint lists as having no state yet.
+  const auto optimizer_steps = [](const fs::path& checkpoint) {
+    std::map<std::string, int64_t> steps;
+    std::set<std::string> stateless;
+    for (const auto& entry : fs::directory_iterator(checkpoint / "optimizer")) {
+      const mdist::hf::SafetensorsFile file(entry.path());
+      for (const auto& key : file.names()) {
+        if (key.ends_with("/step")) {
+          steps[key.substr(0, key.size() - 5)] = file.tensor(key).item<int64_t>();
+        }
+      }
+      for (const auto& n : nlohmann::json::parse(file.metadata().at("no_state"))) {
+        stateless.insert(n.get<std::string>());
+      }
+    }
+    return std::pair{steps, stateless};
+  };
+  std::vector<fs::path> wholes;
+  for (const auto& l : layouts) {
+    const auto whole = dir_ / ("whole-" + name(l));
+    const RunResult r = on(l, {"--model", model.string(), "--out", whole.string()});
+    ASSERT_EQ(r.exit_code, 0) << name(l) << "\n" << describe(r);
+    ASSERT_EQ(metrics(whole).size(), 6u) << name(l);
+    wholes.push_back(whole);
+  }
+  // The case the test is about: experts behind the trainer at step 3, and experts without state
+  // at step 1.
+  const auto [at3, stateless3] = optimizer_steps(step_dir(wholes[0], 3));
+  const auto [at1, stateless1] = optimizer_steps(step_dir(wholes[0], 1));
+  int lagging = 0;
+  for (const auto& [param, step] : at3) lagging += step < 3;
+  EXPECT_GT(lagging, 0) << "no parameter missed a step: the test proves nothing";
+  EXPECT_FALSE(stateless1.empty()) << "every expert had a token at step 1";
+  std::cout << "at step 3: " << lagging << " parameters behind the trainer's step, "
+            << stateless3.size() << " without state; at step 1: " << stateless1.size()
+            << " without state" << std::endl;
+  for (std::size_t i = 0; i < std::size(layouts); ++i) {
+    const Layout& saved = layouts[i];
+    const auto expected = losses(wholes[i]);
+    for (const auto& [from, resumed_on] :
+         {std::pair{1, layouts[(i + 1) % std::size(layouts)]}, std::pair{3, saved}}) {
+      const std::string what = "saved on " + name(saved) + ", resumed from step " +
+                               std::to_string(from) + " on " + name(resumed_on);
+      const auto cut = dir_ / ("cut-" + name(saved) + "-" + std::to_string(from));
+      fs::copy(wholes[i], cut, fs::copy_options::recursive);
+      for (int step = from + 1; step <= 6; ++step) fs::remove_all(step_dir(cut, step));
+      std::ofstream(cut / "checkpoints" / "latest")
+          << step_dir(cut, from).filename().string() << "\n";
+      const RunResult r = on(resumed_on, {"--out", cut.string(), "--resume"});
+      ASSERT_EQ(r.exit_code, 0) << what << "\n" << describe(r);
+      EXPECT_THAT(r.out, Not(HasSubstr("warning"))) << what;
+      const auto resumed = losses(cut);
+      ASSERT_EQ(resumed.size(), 6u) << what;
+      const double gap = loss_gap(expected, resumed);
+      const Gap weights = weight_gap(step_dir(wholes[i], 6), step_dir(cut, 6));
+      EXPECT_LT(gap, 1e-6) << what;
+      EXPECT_LT(weights.value, 1e-6) << what << ": " << weights.where;
+      std::cout << what << ": losses within " << gap << ", final weights within " << weights.value
+                << std::endl;
+    }
+  }
+}
+
+// A job whose ranks are SIGKILLed at random moments under mdistrun --max-restarts 3 with
+// --resume auto and --ep 2, on the 16-expert top-1 model (experts without state in early
+// checkpoints), completes with the uninterrupted losses; a kill after the last checkpoint
+// (during teardown) ends in a restart that finds the run complete and exits 0.
+TEST_F(MdistMoeTrain, RestartsUnderExpertParallelismLoseNoTraining) {
+  const auto model = qwen3_moe_model("moe16", 16, 0.0, 1);
+  const auto args = train_args({"--model", model.string(), "--steps", "24", "--save-every", "1",
+                                "--seq-len", "8", "--eval-every", "0", "--ep", "2"});
+  const auto whole = dir_ / "whole";
+  auto r = mdist(2, with(args, {"--out", whole.string()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const auto run = dir_ / "run";
+  std::vector<std::string> argv = {MDIST_LAUNCHER, "--nproc-per-node", "2", "--max-restarts", "3",
+                                   MDIST_CLI};
+  for (const auto& a : with(args, {"--out", run.string(), "--resume", "auto"})) argv.push_back(a);
+  const pid_t launcher = spawn(argv, dir_ / "job.log");
+  ASSERT_GT(launcher, 0);
+  std::mt19937 random(static_cast<unsigned>(::getpid()));
+  int kills = 0;
+  pid_t last = 0;
+  int status = 0;
+  bool ended = false;
+  bool killed_after_last = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(200);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (waitpid(launcher, &status, WNOHANG) == launcher) {
+      ended = true;
+      break;
+    }
+    const pid_t victim = rank_process(launcher, 1);
+    if (victim == 0 || victim == last) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      continue;
+    }
+    if (kills < 2) {
+      // A random moment of this attempt: start-up, a step or a checkpoint.
+      std::this_thread::sleep_for(std::chrono::milliseconds(100 + random() % 900));
+    } else {
+      // The third: as soon as the last checkpoint is in place, while the ranks tear down.
+      if (read(run / "checkpoints" / "latest") != "step-00000024\n") {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        continue;
+      }
+      killed_after_last = true;
+    }
+    if (kill(victim, SIGKILL) == 0) ++kills;
+    last = victim;
+    if (kills == 3) break;
+  }
+  if (!ended) {
+    ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
+  }
+  const std::string log = read(dir_ / "job.log");
+  EXPECT_GE(kills, 2) << log;
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << log;
+  if (killed_after_last && kills == 3 && log.find("already complete") == std::string::npos) {
+    // The kill came after rank 1 had already exited: nothing was restarted.
+    std::cout << "the kill after the last checkpoint found rank 1 gone" << std::endl;
+  }
+  std::cout << kills << " kills; a restart found the run complete: "
+            << (log.find("already complete") != std::string::npos) << std::endl;
+  const auto expected = losses(whole), restarted = losses(run);
+  ASSERT_EQ(restarted.size(), 24u) << log;
+  EXPECT_LT(loss_gap(expected, restarted), 1e-6) << log;
+  const Gap weights = weight_gap(step_dir(whole, 24), step_dir(run, 24));
+  EXPECT_LT(weights.value, 1e-6) << weights.where;
 }
 
 // --ep that does not fit the world, the model or its experts: one line from rank 0, exit code
