@@ -683,6 +683,7 @@ class SafetensorsEdit {
   Tensor& operator[](const std::string& name) { return tensors_.at(name); }
   std::map<std::string, Tensor>& tensors() { return tensors_; }
   void erase(const std::string& name) { tensors_.erase(name); }
+  nlohmann::json& metadata() { return metadata_; }
   std::vector<float> floats(const std::string& name) const {
     const auto& t = tensors_.at(name);
     std::vector<float> values(t.bytes.size() / 4);
@@ -1400,6 +1401,28 @@ TEST_F(MdistChecks, ResumeSaysWhichCheckpointItSkippedAndWhy) {
        [](const fs::path& c) { fs::create_directories(c / ".tmp-step-00000006" / "optimizer"); },
        "an interrupted save of step-00000006 (checkpoints/.tmp-step-00000006) is ignored: the "
        "steps after step-00000004 are trained again",
+       "step-00000004"},
+      // An earlier mdist's optimizer files (format v2: moments only) still resume.
+      {"earlier-format",
+       [](const fs::path& c) {
+         for (const auto& entry : fs::directory_iterator(c / "step-00000004" / "optimizer")) {
+           SafetensorsEdit file(entry.path());
+           std::vector<std::string> steps;
+           for (const auto& [name, t] : file.tensors()) {
+             if (name.ends_with("/step")) steps.push_back(name);
+           }
+           for (const auto& name : steps) {
+             file.erase(name);
+             file.metadata().erase(name);
+           }
+           file.metadata().erase("no_state");
+           file.metadata().erase("cpu_rng_state");
+           file.metadata()["format"] = "mdist.adamw.blocks.v2";
+           file.write(entry.path());
+         }
+       },
+       "(written by an earlier mdist) keeps no per-parameter AdamW step: every parameter resumes "
+       "at step 4, which is not exact for a parameter that missed steps",
        "step-00000004"},
   };
   for (const auto& c : cases) {
