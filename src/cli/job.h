@@ -106,11 +106,11 @@ hf::CausalLM build_wrapped_model(
     const ModelChoice& choice, std::uint64_t seed, const JobLayout& layout = JobLayout(),
     const std::optional<MixedPrecisionPolicy>& mp_policy = std::nullopt);
 
-// train's --param-dtype: nullopt for "" (the weights' own dtype); for bf16 (or fp32) the policy
-// torchtitan trains with: every unit all-gathers and computes in that dtype and reduce-scatters
-// gradients in fp32, while the shards, their gradients and AdamW's state keep the weights'
-// dtype. fp16 is refused (it needs loss scaling, which mdist train does not do), as is any
-// other name (InputError naming the flag).
+// --param-dtype (train, eval, calibrate, generate): nullopt for "" (the weights' own dtype);
+// for bf16 (or fp32) the policy torchtitan trains with: every unit all-gathers and computes in that
+// dtype and reduce-scatters gradients in fp32, while the shards, their gradients and AdamW's state
+// keep the weights' dtype. fp16 is refused (it needs loss scaling, which mdist train does not do),
+// as is any other name (InputError naming the flag).
 std::optional<MixedPrecisionPolicy> parse_param_dtype(const std::string& name);
 
 // "mixed precision: gathered and computed in bf16, ..." for the log of a command run with
