@@ -1456,29 +1456,12 @@ TEST_F(MdistChecks, RestartsAfterKilledRanksLoseNoTraining) {
   const pid_t launcher = spawn(argv, dir_ / "job.log");
   ASSERT_GT(launcher, 0);
   std::mt19937 random(static_cast<unsigned>(::getpid()));
-  int kills = 0;
-  pid_t last = 0;
-  int status = 0;
-  bool ended = false;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(200);
-  while (kills < 5 && std::chrono::steady_clock::now() < deadline) {
-    if (waitpid(launcher, &status, WNOHANG) == launcher) {
-      ended = true;
-      break;
-    }
-    const pid_t victim = rank_process(launcher, 1);
-    if (victim == 0 || victim == last) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      continue;
-    }
-    // A random moment of this attempt: during start-up, a step or a checkpoint.
-    std::this_thread::sleep_for(std::chrono::milliseconds(100 + random() % 900));
-    if (kill(victim, SIGKILL) == 0) ++kills;
-    last = victim;
-  }
-  if (!ended) {
-    ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
-  }
+  // A random moment of each attempt: during start-up, a step or a checkpoint.
+  const auto [status, kills] =
+      kill_rank_while_running(launcher, 1, 5, std::chrono::seconds(200), [&](int) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100 + random() % 900));
+        return true;
+      });
   EXPECT_EQ(kills, 5) << read(dir_ / "job.log");
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read(dir_ / "job.log");
   const auto expected = metrics(whole), restarted = metrics(run);

@@ -11,11 +11,13 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/support/subprocess.h"
@@ -132,6 +134,39 @@ class MdistCommand : public ::testing::Test {
       }
     }
     return 0;
+  }
+
+  // Waits for `launcher` to end while SIGKILLing rank `rank` of its attempts, each new one at
+  // most once, whenever `ready(kills so far)` says so (it may sleep first), up to `max_kills`
+  // kills or `limit`. The launcher's wait status and the kills done.
+  struct Kills {
+    int status = 0;
+    int kills = 0;
+  };
+  static Kills kill_rank_while_running(pid_t launcher, int rank, int max_kills,
+                                       std::chrono::seconds limit,
+                                       const std::function<bool(int)>& ready) {
+    Kills done;
+    pid_t last = 0;
+    bool ended = false;
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (done.kills < max_kills && std::chrono::steady_clock::now() < deadline) {
+      if (waitpid(launcher, &done.status, WNOHANG) == launcher) {
+        ended = true;
+        break;
+      }
+      const pid_t victim = rank_process(launcher, rank);
+      if (victim == 0 || victim == last || !ready(done.kills)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        continue;
+      }
+      if (kill(victim, SIGKILL) == 0) ++done.kills;
+      last = victim;
+    }
+    if (!ended) {
+      EXPECT_EQ(waitpid(launcher, &done.status, 0), launcher);
+    }
+    return done;
   }
 
   static std::string describe(const RunResult& r) {

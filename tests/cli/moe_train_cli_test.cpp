@@ -280,48 +280,25 @@ TEST_F(MdistMoeTrain, RestartsUnderExpertParallelismLoseNoTraining) {
   const pid_t launcher = spawn(argv, dir_ / "job.log");
   ASSERT_GT(launcher, 0);
   std::mt19937 random(static_cast<unsigned>(::getpid()));
-  int kills = 0;
-  pid_t last = 0;
-  int status = 0;
-  bool ended = false;
   bool killed_after_last = false;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(200);
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (waitpid(launcher, &status, WNOHANG) == launcher) {
-      ended = true;
-      break;
-    }
-    const pid_t victim = rank_process(launcher, 1);
-    if (victim == 0 || victim == last) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      continue;
-    }
-    if (kills < 2) {
-      // A random moment of this attempt: start-up, a step or a checkpoint.
-      std::this_thread::sleep_for(std::chrono::milliseconds(100 + random() % 900));
-    } else {
-      // The third: as soon as the last checkpoint is in place, while the ranks tear down.
-      if (read(run / "checkpoints" / "latest") != "step-00000024\n") {
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
-        continue;
-      }
-      killed_after_last = true;
-    }
-    if (kill(victim, SIGKILL) == 0) ++kills;
-    last = victim;
-    if (kills == 3) break;
-  }
-  if (!ended) {
-    ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
-  }
+  const auto [status, kills] =
+      kill_rank_while_running(launcher, 1, 3, std::chrono::seconds(200), [&](int done) {
+        if (done < 2) {
+          // A random moment of this attempt: start-up, a step or a checkpoint.
+          std::this_thread::sleep_for(std::chrono::milliseconds(100 + random() % 900));
+          return true;
+        }
+        // The third: as soon as the last checkpoint is in place, while the ranks tear down.
+        killed_after_last = read(run / "checkpoints" / "latest") == "step-00000024\n";
+        return killed_after_last;
+      });
   const std::string log = read(dir_ / "job.log");
   EXPECT_GE(kills, 2) << log;
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << log;
-  if (killed_after_last && kills == 3 && log.find("already complete") == std::string::npos) {
-    // The kill came after rank 1 had already exited: nothing was restarted.
-    std::cout << "the kill after the last checkpoint found rank 1 gone" << std::endl;
-  }
-  std::cout << kills << " kills; a restart found the run complete: "
+  // Whether the kill after the last checkpoint caught rank 1 alive depends on timing: said, not
+  // asserted (ResumeAutoOnAFinishedRunIsCompleteAndWritesNothing asserts that path).
+  std::cout << kills << " kills (one after the last checkpoint: " << killed_after_last
+            << "); a restart found the run complete: "
             << (log.find("already complete") != std::string::npos) << std::endl;
   const auto expected = losses(whole), restarted = losses(run);
   ASSERT_EQ(restarted.size(), 24u) << log;
