@@ -268,7 +268,7 @@ TEST_F(MdistMoeTrain, ResumeIsExactForExpertsThatMissSteps) {
 // (during teardown) ends in a restart that finds the run complete and exits 0.
 TEST_F(MdistMoeTrain, RestartsUnderExpertParallelismLoseNoTraining) {
   const auto model = qwen3_moe_model("moe16", 16, 0.0, 1);
-  const auto args = train_args({"--model", model.string(), "--steps", "24", "--save-every", "1",
+  const auto args = train_args({"--model", model.string(), "--steps", "48", "--save-every", "1",
                                 "--seq-len", "8", "--eval-every", "0", "--ep", "2"});
   const auto whole = dir_ / "whole";
   auto r = mdist(2, with(args, {"--out", whole.string()}));
@@ -285,11 +285,11 @@ TEST_F(MdistMoeTrain, RestartsUnderExpertParallelismLoseNoTraining) {
       kill_rank_while_running(launcher, 1, 3, std::chrono::seconds(200), [&](int done) {
         if (done < 2) {
           // A random moment of this attempt: start-up, a step or a checkpoint.
-          std::this_thread::sleep_for(std::chrono::milliseconds(100 + random() % 900));
+          std::this_thread::sleep_for(std::chrono::milliseconds(50 + random() % 400));
           return true;
         }
         // The third: as soon as the last checkpoint is in place, while the ranks tear down.
-        killed_after_last = read(run / "checkpoints" / "latest") == "step-00000024\n";
+        killed_after_last = read(run / "checkpoints" / "latest") == "step-00000048\n";
         return killed_after_last;
       });
   const std::string log = read(dir_ / "job.log");
@@ -301,9 +301,9 @@ TEST_F(MdistMoeTrain, RestartsUnderExpertParallelismLoseNoTraining) {
             << "); a restart found the run complete: "
             << (log.find("already complete") != std::string::npos) << std::endl;
   const auto expected = losses(whole), restarted = losses(run);
-  ASSERT_EQ(restarted.size(), 24u) << log;
+  ASSERT_EQ(restarted.size(), 48u) << log;
   EXPECT_LT(loss_gap(expected, restarted), 1e-6) << log;
-  const Gap weights = weight_gap(step_dir(whole, 24), step_dir(run, 24));
+  const Gap weights = weight_gap(step_dir(whole, 48), step_dir(run, 48));
   EXPECT_LT(weights.value, 1e-6) << weights.where;
 }
 
