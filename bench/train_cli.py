@@ -54,7 +54,7 @@ def rss_mib(field="VmHWM"):
 
 
 def lr_at(step, steps, lr, warmup):
-    """mdist's schedule (src/cli/schedule.h), `step` 1-based: linear warm-up to lr over `warmup`
+    """mdist's schedule (include/mdist/train/lr_schedule.h), `step` 1-based: linear warm-up to lr over `warmup`
     steps, then cosine decay to 0.1*lr reached at the last step."""
     min_lr = 0.1 * lr
     if warmup > 0 and step <= warmup:

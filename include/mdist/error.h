@@ -30,4 +30,19 @@ class DecodeError : public Error {
   using Error::Error;
 };
 
+// A failure every rank of a job throws alike, with the same message, after agreeing on it
+// (a checkpoint that could not be written, seen through an all-gather): a tool reports it once,
+// from rank 0.
+class AgreedError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Bad input from a user: a flag, a file, a checkpoint or data that does not fit the model.
+// mdist's tools report it as one line and exit code 2, before any output file is created.
+class InputError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace mdist

@@ -34,8 +34,8 @@
 #include "mdist/nn/hooks.h"
 #include "mdist/objects/codec.h"
 #include "mdist/runtime/runtime.h"
+#include "mdist/train/forward_split.h"
 #include "src/cli/commands.h"
-#include "src/cli/forward_split.h"
 #include "src/cli/job.h"
 
 namespace mdist::cli {
@@ -286,7 +286,7 @@ int run_calibrate(const CalibrateOptions& o) {
   // (under expert parallelism an expert's rows come from several sequences at once: equal to
   // the rounding of its matrix products).
   const Group dp = parallel.data_parallel_group.group();
-  const auto plan = plan_forwards(total, mdist::size(dp), mdist::rank(dp), 1);
+  const auto plan = train::plan_forwards(total, mdist::size(dp), mdist::rank(dp), 1);
   for (int64_t round = 0; round < plan.rounds; ++round) {
     const bool real = round < static_cast<int64_t>(plan.windows.size());
     recording = real;

@@ -10,58 +10,11 @@
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 #include "mdist/tp/cross_entropy.h"
+#include "mdist/train/evaluate.h"
 #include "src/cli/commands.h"
-#include "src/cli/forward_split.h"
-#include "src/cli/held_out.h"
 #include "src/cli/job.h"
 
 namespace mdist::cli {
-
-HeldOutLoss held_out_loss(hf::CausalLM& model, const Windows& windows,
-                          const ParallelState& parallel, std::int64_t batch_size,
-                          std::int64_t max_windows) {
-  const bool training = model->is_training();
-  model->eval();
-  const torch::NoGradGuard no_grad;
-  const int64_t total = max_windows > 0 ? std::min(max_windows, windows.count()) : windows.count();
-  const auto plan = plan_forwards(total, mdist::size(parallel.data_parallel_group.group()),
-                                  mdist::rank(parallel.data_parallel_group.group()), batch_size);
-  const int64_t T = windows.seq_len();
-  double loss_sum = 0;
-  int64_t tokens = 0;
-  for (int64_t round = 0; round < plan.rounds; ++round) {
-    const auto first = static_cast<std::size_t>(round * batch_size);
-    const int64_t real = std::clamp<int64_t>(
-        static_cast<int64_t>(plan.windows.size()) - static_cast<int64_t>(first), 0, batch_size);
-    // A dummy window keeps the collectives going on a rank that has run out.
-    const std::vector<int64_t> which =
-        real > 0
-            ? std::vector<int64_t>(plan.windows.begin() + static_cast<std::ptrdiff_t>(first),
-                                   plan.windows.begin() + static_cast<std::ptrdiff_t>(first) + real)
-            : std::vector<int64_t>{0};
-    const at::Tensor ids = batch_of(windows, which).to(compute_device());
-    const at::Tensor logits = model->forward(ids);
-    if (real == 0) continue;
-    // Per-token losses summed in double: the total must not depend on how the sequences were
-    // grouped into batches and ranks.
-    const auto V = logits.size(-1);
-    const at::Tensor shifted = logits.narrow(1, 0, T - 1).reshape({-1, V}).to(torch::kFloat);
-    const at::Tensor labels = ids.narrow(1, 1, T - 1).reshape({-1});
-    const auto& split = model->tensor_parallel;
-    const at::Tensor per_token =
-        split && split->size() > 1
-            ? tp::vocab_parallel_token_losses(shifted, labels, split->group(), split->vocab_start())
-            : torch::nn::functional::cross_entropy(
-                  shifted, labels,
-                  torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
-    loss_sum += per_token.to(torch::kDouble).sum().item<double>();
-    tokens += real * (T - 1);
-  }
-  if (training) model->train();
-  // Over the data-parallel group: the tensor-parallel ranks of one hold the same losses.
-  const Group dp = parallel.data_parallel_group.group();
-  return {allreduce(loss_sum, "sum", dp), allreduce(tokens, "sum", dp)};
-}
 
 int run_eval(const EvalOptions& o) {
   const Session session(setup_options(o.io.timeout_s));
@@ -89,7 +42,8 @@ int run_eval(const EvalOptions& o) {
   say("mdist eval: " + tokenizer_line(choice));
   say("mdist eval: data " + data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens on " + describe_layout(layout));
-  const HeldOutLoss held = held_out_loss(model, windows, parallel, o.batch_size);
+  const train::HeldOutLoss held = train::held_out_loss(
+      model, sequence_source(windows, data.description), parallel, o.batch_size);
   const int64_t T = o.io.seq_len;
   const double total_loss = held.loss_sum;
   const int64_t total_tokens = held.tokens;

@@ -7,10 +7,8 @@
 
 namespace mdist::cli {
 
-class InputError : public Error {
- public:
-  using Error::Error;
-};
+// Bad input to the command (mdist::InputError, include/mdist/error.h).
+using mdist::InputError;
 
 // A failure every rank knows of alike (bad input agreed on, a non-finite training step seen
 // through global values): rank 0 prints the one line, every rank exits with exit_code.

@@ -22,7 +22,7 @@
 #include "mdist/hf/tensor_parallel.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
-#include "src/cli/checkpoint.h"
+#include "mdist/train/checkpoint.h"
 #include "src/cli/document_encoder.h"
 #include "src/cli/documents.h"
 
@@ -38,32 +38,6 @@ void agree_on_inputs(const std::function<void()>& check) {
   const auto problems = allgather(problem);
   for (const auto& p : problems) {
     if (p) throw AgreedInputError(*p, rank() == 0);
-  }
-}
-
-std::string flag_value(double value) {
-  if (std::isnan(value)) return "nan";
-  char text[64];
-  std::snprintf(text, sizeof(text), "%g", value);
-  return text;
-}
-
-void check_positive(double value, const char* flag) {
-  if (!std::isfinite(value) || !(value > 0)) {
-    throw InputError(std::string(flag) + " must be a positive number, got " + flag_value(value));
-  }
-}
-
-void check_non_negative(double value, const char* flag) {
-  if (!std::isfinite(value) || !(value >= 0)) {
-    throw InputError(std::string(flag) + " must be a finite number >= 0, got " + flag_value(value));
-  }
-}
-
-void check_at_least(std::int64_t value, std::int64_t least, const char* flag) {
-  if (value < least) {
-    throw InputError(std::string(flag) + " must be at least " + std::to_string(least) + ", got " +
-                     std::to_string(value));
   }
 }
 
@@ -109,7 +83,7 @@ std::optional<std::pair<std::filesystem::path, std::string>> run_checkpoint(
   } else {
     return std::nullopt;
   }
-  const ResumePoint point = resume_point(run);
+  const train::ResumePoint point = train::resume_point(run);
   if (!point.checkpoint) {
     throw InputError("--model '" + given.string() + "': the run '" + run.string() +
                      "' has no complete checkpoint yet");
@@ -205,7 +179,7 @@ ModelChoice default_model() {
 ModelChoice model_for_inference(const std::optional<std::filesystem::path>& dir,
                                 const std::filesystem::path& default_run) {
   if (dir) return model_from_dir(*dir);
-  if (const auto latest = resume_point(default_run).checkpoint) {
+  if (const auto latest = train::resume_point(default_run).checkpoint) {
     auto choice = model_from_dir(*latest);
     choice.description = latest->string() + " (latest checkpoint of the default training run)";
     return choice;
@@ -313,13 +287,7 @@ hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
   return model;
 }
 
-void check_tensor_parallel_size(int tp) {
-  if (tp < 1) throw InputError("--tp must be at least 1, got " + std::to_string(tp));
-  if (size() % tp != 0) {
-    throw InputError("--tp " + std::to_string(tp) + " does not divide the world size " +
-                     std::to_string(size()));
-  }
-}
+void check_tensor_parallel_size(int tp) { check_tensor_parallel_size(tp, size()); }
 
 void check_tensor_parallel(int tp, const hf::LlamaConfig& config) {
   check_tensor_parallel_size(tp);
@@ -332,16 +300,7 @@ void check_tensor_parallel(int tp, const hf::LlamaConfig& config) {
   }
 }
 
-void check_expert_parallel_size(int ep, int tp) {
-  if (ep < 1) throw InputError("--ep must be at least 1, got " + std::to_string(ep));
-  // Expert-parallel groups are carved out of the data-parallel dimension.
-  const int dp = std::max(1, size()) / std::max(1, tp);
-  if (dp % ep != 0) {
-    throw InputError("--ep " + std::to_string(ep) + " does not divide the data-parallel size " +
-                     std::to_string(dp) + " (world " + std::to_string(std::max(1, size())) +
-                     " / tp " + std::to_string(tp) + ")");
-  }
-}
+void check_expert_parallel_size(int ep, int tp) { check_expert_parallel_size(ep, tp, size()); }
 
 void check_expert_parallel(int ep, int tp, const hf::LlamaConfig& config) {
   check_expert_parallel_size(ep, tp);
@@ -424,6 +383,22 @@ at::Tensor batch_of(const Windows& windows, const std::vector<std::int64_t>& whi
   return ids;
 }
 
+train::SequenceSource sequence_source(const Windows& windows, std::string description,
+                                      std::shared_ptr<WindowOrder> order) {
+  train::SequenceSource source;
+  source.count = windows.count();
+  source.length = windows.seq_len();
+  source.description = std::move(description);
+  source.rows = [&windows, order](const std::vector<std::int64_t>& which) {
+    if (!order) return batch_of(windows, which);
+    std::vector<std::int64_t> ordered;
+    ordered.reserve(which.size());
+    for (const std::int64_t position : which) ordered.push_back(order->window_of(position));
+    return batch_of(windows, ordered);
+  };
+  return source;
+}
+
 TokenStream load_checked_data(const ModelDataOptions& options, DataSplit default_split,
                               const ModelChoice& model, const char* command) {
   TokenStream data =
@@ -480,15 +455,6 @@ void check_writable_file(const std::filesystem::path& file, const char* what) {
   }
   probe_writable(file.has_parent_path() ? file.parent_path() : std::filesystem::path("."), file,
                  what);
-}
-
-double peak_rss_mib() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
-  }
-  return 0;
 }
 
 void configure_threads() {

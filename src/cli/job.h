@@ -17,18 +17,14 @@
 #include "mdist/hf/tokenizer.h"
 #include "mdist/runtime/device.h"
 #include "mdist/runtime/runtime.h"
+#include "mdist/train/memory.h"
+#include "mdist/train/sequences.h"
 #include "src/cli/commands.h"
+#include "src/cli/flags.h"
 #include "src/cli/input_error.h"
 #include "src/cli/token_data.h"
 
 namespace mdist::cli {
-
-// Numeric flags: InputError naming the flag and the value unless it is finite and in range.
-void check_positive(double value, const char* flag);      // finite and > 0
-void check_non_negative(double value, const char* flag);  // finite and >= 0
-void check_at_least(std::int64_t value, std::int64_t least, const char* flag);
-// "%g" of a flag's value, for messages.
-std::string flag_value(double value);
 
 // The collective timeout of a subcommand: --timeout SECONDS if given, else MDIST_TIMEOUT,
 // else 30 minutes (torch's default). Throws InputError for a value that is not a positive
@@ -139,6 +135,10 @@ TokenStream load_data(const ModelDataOptions& options, DataSplit default_split,
 
 // The windows `which` as an int64 tensor [which.size(), seq_len].
 at::Tensor batch_of(const Windows& windows, const std::vector<std::int64_t>& which);
+// `windows` (which must outlive the result) as the training library's SequenceSource: index i
+// is window i, or with `order` the window at position i of the seeded epoch order.
+train::SequenceSource sequence_source(const Windows& windows, std::string description,
+                                      std::shared_ptr<WindowOrder> order = nullptr);
 
 // load_data for `model`, plus the checks every command needs: at least one sequence of
 // options.seq_len tokens, and seq_len within the model's max_position_embeddings.
@@ -152,7 +152,7 @@ void check_writable_dir(const std::filesystem::path& dir, const char* what);
 void check_writable_file(const std::filesystem::path& file, const char* what);
 
 // Peak resident set size of this process (VmHWM), MiB.
-double peak_rss_mib();
+using train::peak_rss_mib;
 
 // Threads for intra-op parallelism: OMP_NUM_THREADS when set (mdistrun sets 1 per rank for
 // several ranks, as torchrun does), else libtorch's default.

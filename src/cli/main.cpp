@@ -7,6 +7,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -25,40 +26,6 @@ Run on several ranks through the launcher, e.g.
   mdistrun --nproc-per-node 2 mdist train
 Every subcommand runs with no arguments on the embedded default: a small Llama-style model
 (data/default/config.json) and Shakespeare's Macbeth as bytes (data/corpus/macbeth.txt).)";
-
-constexpr const char* kTpHelp =
-    "Tensor-parallel size: the model is split over groups of this many consecutive ranks "
-    "(Megatron style) and the data over world / tp data-parallel ranks";
-
-void add_tensor_parallel(CLI::App& app, int& tp) {
-  app.add_option("--tp", tp, kTpHelp)->capture_default_str();
-}
-
-constexpr const char* kEpHelp =
-    "Expert-parallel size: each mixture-of-experts layer's experts are split over groups of "
-    "this many data-parallel ranks (Megatron style: dp = ep x expert-data-parallel), tokens "
-    "sent to their experts' ranks by all-to-all";
-
-void add_expert_parallel(CLI::App& app, int& ep) {
-  app.add_option("--ep", ep, kEpHelp)->capture_default_str();
-}
-
-void add_timeout(CLI::App& app, std::optional<double>& timeout_s) {
-  app.add_option("--timeout", timeout_s,
-                 "Seconds a collective may wait for the other ranks before the job fails "
-                 "(default: MDIST_TIMEOUT, else 1800)")
-      ->type_name("SECONDS");
-}
-
-// This process's rank as the launcher set it (before the job is joined): only rank 0 reports
-// a usage error, which every rank sees alike.
-void add_param_dtype(CLI::App& app, std::string& param_dtype) {
-  app.add_option("--param-dtype", param_dtype,
-                 "Mixed precision (FSDP2's param_dtype): gather and compute in bf16 (or fp32); "
-                 "in training, gradients are reduced in fp32 and the weights and AdamW state "
-                 "keep their dtype (default: compute in the weights' dtype)")
-      ->type_name("DTYPE");
-}
 
 bool launch_rank0() {
   const char* rank = std::getenv("RANK");
@@ -120,33 +87,6 @@ int usage_error(const CLI::App& app, const CLI::ParseError& error, int argc, cha
   return 2;
 }
 
-void add_model_data(CLI::App& app, ModelDataOptions& io, bool with_model = true) {
-  if (with_model) {
-    app.add_option("--model", io.model_dir,
-                   "Hugging Face model directory (config.json + safetensors)")
-        ->type_name("DIR");
-  }
-  app.add_option("--data", io.data, "Data file (default: the embedded corpus)")->type_name("FILE");
-  app.add_option("--data-format", io.data_format,
-                 "text (through the model's tokenizer.json, else one token per byte), ids "
-                 "(whitespace-separated decimal ids), u16, u32 or i32 (little-endian binary, "
-                 "memory-mapped), or auto (by extension: .ids, .u16/.bin, .u32, .i32, else text)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "text", "ids", "u16", "u32", "i32"}));
-  app.add_option("--split", io.split,
-                 "Part of the data: all, train (first 90%), eval (last 10%); auto: the "
-                 "command's split of the embedded corpus, all of a --data file")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "all", "train", "eval"}));
-  app.add_option("--seq-len", io.seq_len, "Tokens per sequence")->capture_default_str();
-  app.add_option("--seed", io.seed, "Seed of the initialisation and the data order")
-      ->capture_default_str();
-  add_tensor_parallel(app, io.tensor_parallel);
-  add_expert_parallel(app, io.expert_parallel);
-  add_timeout(app, io.timeout_s);
-  add_param_dtype(app, io.param_dtype);
-}
-
 int report(const char* command, const std::exception& error, int code, bool print) {
   if (!print) return exit_after_rank0(code);
   std::string message = error.what();
@@ -154,6 +94,17 @@ int report(const char* command, const std::exception& error, int code, bool prin
   std::cerr << "mdist " << command << ": error: " << message << std::endl;
   return code;
 }
+
+// A subcommand as main() dispatches it: its flags (declared on its CLI::App), the --timeout
+// it was given (read before the job is joined) and what runs it. The options they act on live
+// in main's frame.
+struct Subcommand {
+  const char* name;
+  const char* description;
+  std::function<void(CLI::App&)> declare;
+  std::function<std::optional<double>()> timeout;
+  std::function<int()> run;
+};
 
 }  // namespace
 
@@ -169,164 +120,32 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("mdist ") + MDIST_VERSION_STRING);
 
   TrainOptions train;
-  auto* train_cmd = app.add_subcommand("train", "Train a causal LM (sharded with fsdp2_wrap)");
-  add_model_data(*train_cmd, train.io);
-  train_cmd->add_option("--out", train.out, "Run directory: metrics.jsonl, loss.svg, checkpoints/")
-      ->capture_default_str()
-      ->type_name("DIR");
-  train_cmd->add_option("--steps", train.steps, "Optimizer steps")->capture_default_str();
-  train_cmd
-      ->add_option("--global-batch", train.global_batch,
-                   "Sequences per step over all data-parallel ranks (must divide evenly)")
-      ->capture_default_str();
-  train_cmd->add_option("--lr", train.lr, "Peak learning rate (AdamW)")->capture_default_str();
-  train_cmd
-      ->add_option("--min-lr-ratio", train.min_lr_ratio,
-                   "Cosine decay ends at this fraction of --lr")
-      ->capture_default_str();
-  train_cmd->add_option("--warmup", train.warmup, "Linear warm-up steps")->capture_default_str();
-  train_cmd->add_option("--weight-decay", train.weight_decay, "AdamW weight decay (matrices)")
-      ->capture_default_str();
-  train_cmd
-      ->add_option("--grad-clip", train.grad_clip,
-                   "Clip the global gradient norm to this (0: no clipping)")
-      ->capture_default_str();
-  train_cmd
-      ->add_option("--save-every", train.save_every,
-                   "Checkpoint every K steps (0: only at the end)")
-      ->capture_default_str();
-  train_cmd->add_option("--keep", train.keep, "Checkpoints kept (the newest)")
-      ->capture_default_str();
-  train_cmd
-      ->add_option("--log-every", train.log_every,
-                   "Log line every K steps when stdout is not a terminal")
-      ->capture_default_str();
-  std::string resume;
-  train_cmd
-      ->add_option("--resume", resume,
-                   "Continue from the run directory's last checkpoint (its model: no --model); "
-                   "--resume auto: continue if there is one, else start (from --model if given)")
-      ->expected(0, 1)
-      ->default_str("always")
-      ->check(CLI::IsMember({"always", "auto"}))
-      ->type_name("[auto]");
-  train_cmd->add_flag("--overwrite", train.overwrite,
-                      "Replace an earlier run in --out (its metrics and checkpoints); without "
-                      "it a fresh run into a directory holding one is refused");
-  train_cmd->add_flag("--skip-nonfinite-steps", train.skip_nonfinite,
-                      "Skip (no update) a step whose loss or gradient norm is not finite, "
-                      "counted in metrics.jsonl; without it such a step stops the run");
-  train_cmd
-      ->add_option("--eval-every", train.eval_every,
-                   "Held-out loss every K steps (default: at each checkpoint; 0: never)")
-      ->type_name("K");
-  train_cmd
-      ->add_option("--eval-data", train.eval_data,
-                   "Held-out data (same --data-format); default: the eval split (last 10%) of "
-                   "the training data when --split is train (the embedded corpus' default)")
-      ->type_name("FILE");
-  train_cmd
-      ->add_option("--watchdog", train.watchdog_s,
-                   "Rank 0 reports a rank that has not reached the others' step for this many "
-                   "seconds (0: never)")
-      ->capture_default_str()
-      ->type_name("SECONDS");
-  train_cmd
-      ->add_option("--router-aux-loss-coef", train.router_aux_loss_coef,
-                   "Weight of a mixture of experts' load-balancing loss in the objective "
-                   "(0: none); default: the config's router_aux_loss_coef when its "
-                   "output_router_logits is true, else none (as transformers)")
-      ->type_name("W");
-  train_cmd
-      ->add_option("--eval-max-sequences", train.eval_max_sequences,
-                   "Held-out sequences per evaluation (0: all)")
-      ->capture_default_str();
-  train_cmd->footer(
-      "\nExample: mdistrun --nproc-per-node 2 mdist train --steps 600 --out runs/long");
-
   EvalOptions eval;
-  auto* eval_cmd = app.add_subcommand(
-      "eval", "Perplexity of a model on data (default: the last 10% of the embedded corpus)");
-  add_model_data(*eval_cmd, eval.io);
-  eval_cmd->add_option("--batch-size", eval.batch_size, "Sequences per forward on each rank")
-      ->capture_default_str();
-  eval_cmd->add_option("--out", eval.out, "Also write the result as JSON to FILE")
-      ->type_name("FILE");
-  eval_cmd->footer(
-      "\nWithout --model: the latest checkpoint of runs/default, else the seeded default model.");
-
   CalibrateOptions calibrate;
-  auto* calibrate_cmd = app.add_subcommand(
-      "calibrate", "Abs-max calibration of every Linear's input and weight (for quantization)");
-  add_model_data(*calibrate_cmd, calibrate.io);
-  calibrate_cmd
-      ->add_option("--max-sequences", calibrate.max_sequences,
-                   "Sequences to run over all ranks (0: all)")
-      ->capture_default_str();
-  calibrate_cmd->add_option("--out", calibrate.out, "JSON output file")
-      ->capture_default_str()
-      ->type_name("FILE");
-  calibrate_cmd->add_flag("--allow-incomplete-moe", calibrate.allow_incomplete_moe,
-                          "Write the result although some routed experts received no "
-                          "calibration tokens on some or all of their ranks (they are "
-                          "reported; an expert no rank saw gets input_absmax null)");
-  calibrate_cmd->footer(
-      "\nWithout --model: the latest checkpoint of runs/default, else the seeded default model.");
-
   GenerateOptions generate;
-  auto* generate_cmd =
-      app.add_subcommand("generate", "Sample text from a prompt with a byte-level model");
-  generate_cmd->add_option("--model", generate.model_dir, "Hugging Face model directory")
-      ->type_name("DIR");
-  generate_cmd->add_option("--prompt", generate.prompt, "Text to continue")->capture_default_str();
-  generate_cmd->add_option("--max-new-tokens", generate.max_new_tokens, "Bytes to generate")
-      ->capture_default_str();
-  generate_cmd->add_option("--temperature", generate.temperature, "Softmax temperature")
-      ->capture_default_str();
-  generate_cmd->add_option("--top-k", generate.top_k, "Sample among the k likeliest (0: all)")
-      ->capture_default_str();
-  generate_cmd->add_flag("--greedy", generate.greedy, "Always take the likeliest byte");
-  generate_cmd->add_option("--seed", generate.seed, "Sampling seed")->capture_default_str();
-  add_tensor_parallel(*generate_cmd, generate.tensor_parallel);
-  add_timeout(*generate_cmd, generate.timeout_s);
-  add_param_dtype(*generate_cmd, generate.param_dtype);
-  generate_cmd->footer(
-      "\nWithout --model: the latest checkpoint of runs/default, else the seeded default model.");
-
   TokenizeOptions tokenize;
-  auto* tokenize_cmd = app.add_subcommand(
-      "tokenize", "Tokenize a text or JSON Lines corpus into a .u16/.u32 token file");
-  tokenize_cmd->add_option("--model", tokenize.model_dir, "Model directory with tokenizer.json")
-      ->required()
-      ->type_name("DIR");
-  tokenize_cmd->add_option("--data", tokenize.data, "Corpus: text or JSON Lines")
-      ->required()
-      ->type_name("FILE");
-  tokenize_cmd
-      ->add_option("--out", tokenize.out,
-                   "Token file: .u32 (little-endian uint32) or .u16 (when the vocabulary fits); "
-                   "written atomically, the same bytes on any number of ranks")
-      ->required()
-      ->type_name("FILE");
-  tokenize_cmd->add_option("--format", tokenize.format, "text or jsonl")->capture_default_str();
-  tokenize_cmd->add_option("--field", tokenize.field, "jsonl: the field holding the text")
-      ->capture_default_str();
-  tokenize_cmd
-      ->add_option("--sample-by", tokenize.sample_by,
-                   "text: a document is a line, a paragraph (lines up to an empty line) or the "
-                   "whole file")
-      ->capture_default_str();
-  add_timeout(*tokenize_cmd, tokenize.timeout_s);
-  tokenize_cmd->footer(
-      "\nEach document is encoded with its special tokens, then EOS. Under mdistrun the ranks "
-      "split the corpus at document boundaries.");
-
   InfoOptions info;
-  auto* info_cmd =
-      app.add_subcommand("info", "Versions, backends, devices, and this job's ranks and groups");
-  add_tensor_parallel(*info_cmd, info.tensor_parallel);
-  add_expert_parallel(*info_cmd, info.expert_parallel);
-  add_timeout(*info_cmd, info.timeout_s);
+  const std::vector<Subcommand> subcommands = {
+      {"train", "Train a causal LM (sharded with fsdp2_wrap)",
+       [&](CLI::App& cmd) { declare_train_flags(cmd, train); }, [&] { return train.io.timeout_s; },
+       [&] { return run_train(train); }},
+      {"eval", "Perplexity of a model on data (default: the last 10% of the embedded corpus)",
+       [&](CLI::App& cmd) { declare_eval_flags(cmd, eval); }, [&] { return eval.io.timeout_s; },
+       [&] { return run_eval(eval); }},
+      {"calibrate", "Abs-max calibration of every Linear's input and weight (for quantization)",
+       [&](CLI::App& cmd) { declare_calibrate_flags(cmd, calibrate); },
+       [&] { return calibrate.io.timeout_s; }, [&] { return run_calibrate(calibrate); }},
+      {"generate", "Sample text from a prompt with a byte-level model",
+       [&](CLI::App& cmd) { declare_generate_flags(cmd, generate); },
+       [&] { return generate.timeout_s; }, [&] { return run_generate(generate); }},
+      {"tokenize", "Tokenize a text or JSON Lines corpus into a .u16/.u32 token file",
+       [&](CLI::App& cmd) { declare_tokenize_flags(cmd, tokenize); },
+       [&] { return tokenize.timeout_s; }, [&] { return run_tokenize(tokenize); }},
+      {"info", "Versions, backends, devices, and this job's ranks and groups",
+       [&](CLI::App& cmd) { declare_info_flags(cmd, info); }, [&] { return info.timeout_s; },
+       [&] { return run_info(info); }},
+  };
+  for (const auto& sub : subcommands) sub.declare(*app.add_subcommand(sub.name, sub.description));
 
   try {
     app.parse(argc, argv);
@@ -340,31 +159,21 @@ int main(int argc, char** argv) {
     return usage_error(app, error, argc, argv);
   }
 
-  train.resume = resume.empty()     ? ResumeMode::off
-                 : resume == "auto" ? ResumeMode::automatic
-                                    : ResumeMode::always;
   const std::string command = app.get_subcommands().front()->get_name();
+  const Subcommand& chosen = *std::find_if(subcommands.begin(), subcommands.end(),
+                                           [&](const Subcommand& s) { return s.name == command; });
   try {
     // The timeout is read before the job is joined: a bad one is the same on every rank.
-    const std::optional<double> timeout = command == "train"       ? train.io.timeout_s
-                                          : command == "eval"      ? eval.io.timeout_s
-                                          : command == "calibrate" ? calibrate.io.timeout_s
-                                          : command == "generate"  ? generate.timeout_s
-                                          : command == "tokenize"  ? tokenize.timeout_s
-                                                                   : info.timeout_s;
-    (void)setup_options(timeout);
+    (void)setup_options(chosen.timeout());
   } catch (const InputError& error) {
     return report(command.c_str(), error, 2, launch_rank0());
   }
   try {
-    if (command == "train") return run_train(train);
-    if (command == "eval") return run_eval(eval);
-    if (command == "calibrate") return run_calibrate(calibrate);
-    if (command == "generate") return run_generate(generate);
-    if (command == "tokenize") return run_tokenize(tokenize);
-    return run_info(info);
+    return chosen.run();
   } catch (const AgreedFailure& error) {
     return report(command.c_str(), error, error.exit_code(), error.reporter());
+  } catch (const mdist::AgreedError& error) {
+    return report(command.c_str(), error, 1, launch_rank0());
   } catch (const InputError& error) {
     return report(command.c_str(), error, 2, true);
   } catch (const std::exception& error) {

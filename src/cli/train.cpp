@@ -1,30 +1,25 @@
-// `mdist train`: FSDP2 training of a causal LM on byte-level (or token-id) data.
+// `mdist train`: the training library's Trainer (mdist/train/trainer.h) driven from the flags:
+// the inputs checked and agreed on, the model built on the job's layout, then a loop of steps
+// with logging, held-out evaluation and checkpoints.
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <limits>
 #include <set>
 #include <sstream>
 
-#include "mdist/ep/dispatch.h"
-#include "mdist/fsdp/state_dict.h"
 #include "mdist/hf/safetensors.h"
-#include "mdist/hf/tensor_parallel.h"
-#include "mdist/objects/collectives.h"
-#include "mdist/optim/fused_adamw.h"
 #include "mdist/runtime/runtime.h"
-#include "src/cli/checkpoint.h"
+#include "mdist/train/checkpoint.h"
+#include "mdist/train/metrics.h"
+#include "mdist/train/trainer.h"
 #include "src/cli/commands.h"
-#include "src/cli/held_out.h"
 #include "src/cli/job.h"
 #include "src/cli/loss_plot.h"
 #include "src/cli/progress.h"
 #include "src/cli/run_dir.h"
-#include "src/cli/schedule.h"
 #include "src/cli/watchdog.h"
 
 namespace mdist::cli {
@@ -63,57 +58,6 @@ void check_resume_flags(const nlohmann::json& saved, const nlohmann::json& now,
   }
 }
 
-// AdamW with decoupled weight decay on matrices only: norms' weights and biases are not
-// decayed (the usual LLM recipe, and transformers' Trainer default).
-std::unique_ptr<torch::optim::AdamW> make_optimizer(hf::CausalLM& model, const TrainOptions& o) {
-  std::vector<at::Tensor> decay, no_decay;
-  for (const auto& [name, place] : param_placements(*model)) {
-    (place.full_shape.size() >= 2 ? decay : no_decay).push_back(place.param);
-  }
-  auto options = torch::optim::AdamWOptions(o.lr).betas({0.9, 0.95}).eps(1e-8);
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
-                                 torch::optim::AdamWOptions(options).weight_decay(o.weight_decay)));
-  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
-                                    torch::optim::AdamWOptions(options).weight_decay(0.0)));
-  // One fused kernel call per group instead of torch::optim::AdamW's per-tensor passes; the
-  // same state, so checkpoints are unchanged.
-  return std::make_unique<optim::FusedAdamW>(std::move(groups), options);
-}
-
-void set_lr(torch::optim::Optimizer& optimizer, double lr) {
-  for (auto& group : optimizer.param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-  }
-}
-
-// The metrics file of a resumed run keeps the lines up to the checkpoint's step.
-std::vector<std::string> metrics_up_to(const fs::path& path, int step) {
-  std::vector<std::string> kept;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto json = nlohmann::json::parse(line, nullptr, false);
-    if (json.is_object() && json.value("step", 0) <= step) kept.push_back(line);
-  }
-  return kept;
-}
-
-// (step, value of `key`) of every metrics line with a numeric `key` (a skipped step's null
-// loss is left out).
-std::vector<std::pair<int, double>> loss_points(const fs::path& metrics, const char* key) {
-  std::vector<std::pair<int, double>> points;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto json = nlohmann::json::parse(line, nullptr, false);
-    if (json.is_object() && json.contains(key) && json[key].is_number()) {
-      points.emplace_back(json.value("step", 0), json[key].get<double>());
-    }
-  }
-  return points;
-}
-
 // Steps whose loss is made NaN on purpose (MDIST_FAULT_NONFINITE_STEPS=2,5): a fault injection
 // for the tests of --skip-nonfinite-steps and of resuming after a skipped step, which no small
 // model reaches otherwise without blowing up for good. Empty when unset.
@@ -139,214 +83,151 @@ std::string format_number(const char* fmt, double value) {
   return text;
 }
 
-}  // namespace
-
-int run_train(const TrainOptions& o) {
-  const Session session(setup_options(o.io.timeout_s));
-  configure_threads();
-  const int world = size();
-  const int tp = o.io.tensor_parallel;
-  const int dp = tp >= 1 && world % tp == 0 ? world / tp : world;
-  ModelChoice model_choice;
+// What the checks found, agreed on by every rank before anything is written.
+struct TrainInputs {
+  ModelChoice model;
   TokenStream data;
   std::optional<TokenStream> held_out_data;
   std::optional<fs::path> resume_from;
-  std::optional<TrainerState> resumed;
+  std::optional<train::TrainerState> resumed;
   bool replace_earlier = false;
   bool already_complete = false;  // --resume auto on a run that has reached --steps
   std::set<int> fault_steps;
   std::vector<std::string> warnings;
   std::optional<MixedPrecisionPolicy> mp_policy;
+};
+
+// Where the run starts: its checkpoint (--resume), or a fresh start that may replace an earlier
+// run (--overwrite, or --resume auto without a complete checkpoint).
+void find_start(const TrainOptions& o, TrainInputs& in) {
+  const bool automatic = o.resume == ResumeMode::automatic;
+  check_writable_dir(o.out, "output directory");
+  RunLock::check_free(o.out);
+  train::ResumePoint point;
+  if (o.resume != ResumeMode::off) point = train::resume_point(o.out);
+  in.warnings = point.warnings;
+  if (o.resume == ResumeMode::always && !point.checkpoint) {
+    throw InputError("--resume: no checkpoint in '" + (o.out / "checkpoints").string() + "'");
+  }
+  if (point.checkpoint) {
+    in.resume_from = point.checkpoint;
+    in.resumed = train::read_trainer_state(*in.resume_from);
+  } else if (const auto earlier = earlier_run(o.out)) {
+    // --resume auto with no complete checkpoint: what is there (metrics of a run that never
+    // saved, a partial step directory) is nothing to continue; it is replaced.
+    if (!o.overwrite && !automatic) {
+      throw InputError("output directory '" + o.out.string() + "' holds an earlier run (" +
+                       *earlier + "); pass --resume to continue it or --overwrite to replace it");
+    }
+    if (o.io.model_dir && is_within(*o.io.model_dir, o.out)) {
+      throw InputError("--model '" + o.io.model_dir->string() + "' is inside '" + o.out.string() +
+                       "', the run " + (automatic ? "--resume auto" : "--overwrite") +
+                       " would replace; copy it elsewhere first");
+    }
+    in.replace_earlier = true;
+  }
+}
+
+// The held-out data: --eval-data, else the eval split when training on the train split.
+void find_held_out_data(const TrainOptions& o, TrainInputs& in) {
+  if (o.eval_every.value_or(1) <= 0) return;
+  if (o.eval_data) {
+    ModelDataOptions held = o.io;
+    held.data = o.eval_data;
+    held.split = "all";
+    in.held_out_data = load_checked_data(held, DataSplit::all, in.model, "train --eval-data");
+  } else if (o.io.split == "train" || (o.io.split == "auto" && !o.io.data)) {
+    ModelDataOptions held = o.io;
+    held.split = "eval";
+    in.held_out_data = load_checked_data(held, DataSplit::eval, in.model, "train (eval split)");
+  } else if (o.eval_every) {
+    throw InputError(
+        "--eval-every needs held-out data: --eval-data FILE, or --split train "
+        "(the held-out part is then the last 10% of --data)");
+  }
+}
+
+// A resumed run: its flags must fit the checkpoint, which must be before --steps (or, under
+// --resume auto, the run is complete) and hold valid optimizer state.
+void check_resumed(const TrainOptions& o, TrainInputs& in) {
+  check_resume_flags(in.resumed->run, run_flags(o, in.data, in.model), *in.resume_from);
+  in.model.description = in.resume_from->string() + " (resumed)";
+  if (in.resumed->step >= o.steps && o.resume == ResumeMode::automatic) {
+    // A restart after the last checkpoint (a rank that died in teardown): nothing to do.
+    in.already_complete = true;
+    return;
+  }
+  if (in.resumed->step >= o.steps) {
+    throw InputError("--resume: the checkpoint is at step " + std::to_string(in.resumed->step) +
+                     ", not before --steps " + std::to_string(o.steps));
+  }
+  const auto optimizer_state =
+      train::check_optimizer_state(*in.resume_from, in.model.config, in.resumed->step);
+  if (!optimizer_state.per_parameter_steps) {
+    in.warnings.push_back("checkpoint " + in.resume_from->string() +
+                          " (written by an earlier mdist) keeps no per-parameter AdamW step: "
+                          "every parameter resumes at step " +
+                          std::to_string(in.resumed->step) +
+                          ", which is not exact for a parameter that missed steps (an expert "
+                          "without tokens, a skipped step)");
+  }
+}
+
+// Every input of the run, checked on every rank and agreed on (one line from rank 0, exit 2,
+// nothing written, when any is bad).
+TrainInputs check_inputs(const TrainOptions& o) {
+  TrainInputs in;
   agree_on_inputs([&] {
-    mp_policy = parse_param_dtype(o.io.param_dtype);
-    fault_steps = injected_nonfinite_steps();
-    check_at_least(o.steps, 1, "--steps");
-    check_at_least(o.global_batch, 1, "--global-batch");
-    check_tensor_parallel_size(tp);
-    check_expert_parallel_size(o.io.expert_parallel, tp);
-    if (o.global_batch % dp != 0) {
-      throw InputError("--global-batch " + std::to_string(o.global_batch) +
-                       " is not divisible by the data-parallel size " + std::to_string(dp));
-    }
-    check_positive(o.lr, "--lr");
-    if (!(o.min_lr_ratio >= 0 && o.min_lr_ratio <= 1)) {
-      throw InputError(
-          "--min-lr-ratio must be in [0, 1] (the end of the cosine decay as a "
-          "fraction of --lr), got " +
-          flag_value(o.min_lr_ratio));
-    }
-    check_at_least(o.warmup, 0, "--warmup");
-    check_non_negative(o.weight_decay, "--weight-decay");
-    check_non_negative(o.grad_clip, "--grad-clip (0: no clipping)");
-    check_at_least(o.save_every, 0, "--save-every");
-    check_at_least(o.keep, 1, "--keep");
-    check_at_least(o.log_every, 1, "--log-every");
-    if (o.eval_every) check_at_least(*o.eval_every, 0, "--eval-every");
-    check_at_least(o.eval_max_sequences, 0, "--eval-max-sequences");
-    check_non_negative(o.watchdog_s, "--watchdog");
-    if (o.router_aux_loss_coef) {
-      check_non_negative(*o.router_aux_loss_coef, "--router-aux-loss-coef (0: none)");
-    }
-    const bool automatic = o.resume == ResumeMode::automatic;
-    if (o.resume == ResumeMode::always && o.io.model_dir) {
-      throw InputError("--resume continues from the last checkpoint of '" + o.out.string() +
-                       "', which is the model; --model cannot be given with it");
-    }
-    if (o.resume != ResumeMode::off && o.overwrite) {
-      throw InputError("--resume and --overwrite exclude each other");
-    }
-    check_writable_dir(o.out, "output directory");
-    RunLock::check_free(o.out);
-    ResumePoint point;
-    if (o.resume != ResumeMode::off) point = resume_point(o.out);
-    const auto& latest = point.checkpoint;
-    warnings = point.warnings;
-    if (o.resume == ResumeMode::always && !latest) {
-      throw InputError("--resume: no checkpoint in '" + (o.out / "checkpoints").string() + "'");
-    }
-    if (latest) {
-      resume_from = latest;
-      resumed = read_trainer_state(*resume_from);
-    } else if (const auto earlier = earlier_run(o.out)) {
-      // --resume auto with no complete checkpoint: what is there (metrics of a run that never
-      // saved, a partial step directory) is nothing to continue; it is replaced.
-      if (!o.overwrite && !automatic) {
-        throw InputError("output directory '" + o.out.string() + "' holds an earlier run (" +
-                         *earlier + "); pass --resume to continue it or --overwrite to replace it");
-      }
-      if (o.io.model_dir && is_within(*o.io.model_dir, o.out)) {
-        throw InputError("--model '" + o.io.model_dir->string() + "' is inside '" + o.out.string() +
-                         "', the run " + (automatic ? "--resume auto" : "--overwrite") +
-                         " would replace; copy it elsewhere first");
-      }
-      replace_earlier = true;
-    }
+    in.mp_policy = parse_param_dtype(o.io.param_dtype);
+    in.fault_steps = injected_nonfinite_steps();
+    check_train_flags(o, size());
+    find_start(o, in);
     // A resumed run's model is its checkpoint (an HF directory).
-    model_choice = resume_from      ? model_from_dir(*resume_from)
-                   : o.io.model_dir ? model_from_dir(*o.io.model_dir)
-                                    : default_model();
-    check_tensor_parallel(tp, model_choice.config);
-    check_expert_parallel(o.io.expert_parallel, tp, model_choice.config);
-    data = load_checked_data(o.io, DataSplit::train, model_choice, "train");
-    if (o.eval_every.value_or(1) > 0) {
-      if (o.eval_data) {
-        ModelDataOptions held = o.io;
-        held.data = o.eval_data;
-        held.split = "all";
-        held_out_data = load_checked_data(held, DataSplit::all, model_choice, "train --eval-data");
-      } else if (const bool train_split =
-                     o.io.split == "train" || (o.io.split == "auto" && !o.io.data);
-                 train_split) {
-        ModelDataOptions held = o.io;
-        held.split = "eval";
-        held_out_data =
-            load_checked_data(held, DataSplit::eval, model_choice, "train (eval split)");
-      } else if (o.eval_every) {
-        throw InputError(
-            "--eval-every needs held-out data: --eval-data FILE, or --split train "
-            "(the held-out part is then the last 10% of --data)");
-      }
-    }
-    if (resumed) {
-      check_resume_flags(resumed->run, run_flags(o, data, model_choice), *resume_from);
-      model_choice.description = resume_from->string() + " (resumed)";
-      if (resumed->step >= o.steps && automatic) {
-        // A restart after the last checkpoint (a rank that died in teardown): nothing to do.
-        already_complete = true;
-        return;
-      }
-      if (resumed->step >= o.steps) {
-        throw InputError("--resume: the checkpoint is at step " + std::to_string(resumed->step) +
-                         ", not before --steps " + std::to_string(o.steps));
-      }
-      const auto optimizer_state =
-          check_optimizer_state(*resume_from, model_choice.config, resumed->step);
-      if (!optimizer_state.per_parameter_steps) {
-        warnings.push_back("checkpoint " + resume_from->string() +
-                           " (written by an earlier mdist) keeps no per-parameter AdamW step: "
-                           "every parameter resumes at step " +
-                           std::to_string(resumed->step) +
-                           ", which is not exact for a parameter that missed steps (an expert "
-                           "without tokens, a skipped step)");
-      }
-    }
+    in.model = in.resume_from   ? model_from_dir(*in.resume_from)
+               : o.io.model_dir ? model_from_dir(*o.io.model_dir)
+                                : default_model();
+    check_tensor_parallel(o.io.tensor_parallel, in.model.config);
+    check_expert_parallel(o.io.expert_parallel, o.io.tensor_parallel, in.model.config);
+    in.data = load_checked_data(o.io, DataSplit::train, in.model, "train");
+    find_held_out_data(o, in);
+    if (in.resumed) check_resumed(o, in);
   });
-  for (const auto& warning : warnings) say("mdist train: warning: " + warning);
-  if (already_complete) {
-    say("mdist train: the run in " + o.out.string() + " is already complete (" +
-        resume_from->string() + " is at step " + std::to_string(resumed->step) + " of --steps " +
-        std::to_string(o.steps) + "); nothing to do, nothing written");
-    return 0;
-  }
-  const Windows windows(data, o.io.seq_len, "train");
-  WindowOrder order(windows.count(), o.io.seed);
-  std::optional<Windows> held_out;
-  if (held_out_data) held_out.emplace(*held_out_data, o.io.seq_len, "train (held out)");
-  const JobLayout layout = make_layout(tp, o.io.expert_parallel);
-  const ParallelState& parallel = layout.parallel;
-  const int dp_rank = mdist::rank(parallel.data_parallel_group.group());
-  hf::CausalLM model = build_wrapped_model(model_choice, o.io.seed, layout, mp_policy);
-  // The run directory is this job's from here on (rank 0 holds the lock; a second job into
-  // the same directory gets one line naming this one's pid). Taken once the model is known to
-  // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.
-  std::unique_ptr<RunLock> lock;
-  agree_on_inputs([&] {
-    if (rank() == 0) lock = std::make_unique<RunLock>(o.out);
-  });
-  if (rank() == 0 && replace_earlier) remove_earlier_run(o.out);
-  model->train();
-  auto optimizer = make_optimizer(model, o);
-  const LrSchedule schedule{o.lr, o.warmup, o.steps, o.min_lr_ratio};
-  TrainerState state;
-  state.run = run_flags(o, data, model_choice);
+  return in;
+}
 
-  const fs::path metrics_path = o.out / "metrics.jsonl";
-  if (rank() == 0) fs::create_directories(o.out);
-  std::vector<std::string> earlier_metrics;
-  if (resumed) {
-    load_training_checkpoint(*resume_from, model, *optimizer, *resumed, parallel);
-    state.step = resumed->step;
-    state.sequences_seen = resumed->sequences_seen;
-    state.skipped_steps = resumed->skipped_steps;
-    if (rank() == 0) earlier_metrics = metrics_up_to(metrics_path, state.step);
-  }
-  std::ofstream metrics;
-  if (rank() == 0) {
-    std::string kept;
-    for (const auto& line : earlier_metrics) kept += line + "\n";
-    hf::write_file_atomically(metrics_path, kept);
-    metrics.open(metrics_path, std::ios::app);
-  }
+train::TrainerOptions trainer_options(const TrainOptions& o, std::set<int> fault_steps) {
+  train::TrainerOptions t;
+  t.steps = o.steps;
+  t.global_batch = o.global_batch;
+  t.schedule = {o.lr, o.warmup, o.steps, o.min_lr_ratio};
+  t.weight_decay = o.weight_decay;
+  t.grad_clip = o.grad_clip;
+  t.skip_nonfinite = o.skip_nonfinite;
+  t.nonfinite_steps = std::move(fault_steps);
+  return t;
+}
 
-  say("mdist train: " + describe_layout(layout) + ", model " + model_choice.description);
-  say("mdist train: " + tokenizer_line(model_choice));
-  if (mp_policy) say("mdist train: " + describe_mixed_precision(*mp_policy, model));
-  // A mixture of experts' objective: the loss plus aux_coef x the load-balancing loss, as
-  // transformers adds it only when the config's output_router_logits is true.
-  const auto& moe = model->config.moe;
-  const double aux_coef = !moe ? 0.0
-                               : o.router_aux_loss_coef.value_or(
-                                     moe->output_router_logits ? moe->router_aux_loss_coef : 0.0);
-  if (moe) {
-    say("mdist train: load-balancing loss " +
-        (aux_coef > 0 ? "in the objective with weight " + flag_value(aux_coef)
-                      : std::string("not in the objective")) +
-        (o.router_aux_loss_coef      ? " (--router-aux-loss-coef)"
-         : moe->output_router_logits ? " (the config's router_aux_loss_coef, output_router_logits "
-                                       "true)"
-                                     : " (the config's output_router_logits is false; "
-                                       "--router-aux-loss-coef W adds it)"));
+// The log's opening lines: layout and model, tokenizer, precision, objective, data, held-out.
+void log_start(const TrainOptions& o, const TrainInputs& in, const JobLayout& layout,
+               train::Trainer& trainer, const Windows& windows,
+               const std::optional<Windows>& held_out) {
+  hf::CausalLM& model = trainer.model();
+  say("mdist train: " + describe_layout(layout) + ", model " + in.model.description);
+  say("mdist train: " + tokenizer_line(in.model));
+  if (in.mp_policy) say("mdist train: " + describe_mixed_precision(*in.mp_policy, model));
+  if (model->config.moe) {
+    say("mdist train: " + train::describe_aux_loss_weight(model->config, o.router_aux_loss_coef));
   }
-  say("mdist train: data " + data.description + ", " + std::to_string(windows.count()) +
+  say("mdist train: data " + in.data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens; global batch " +
-      std::to_string(o.global_batch) + " (" + std::to_string(o.global_batch / dp) +
-      " per data-parallel rank), steps " + std::to_string(state.step + 1) + ".." +
+      std::to_string(o.global_batch) + " (" + std::to_string(trainer.local_batch()) +
+      " per data-parallel rank), steps " + std::to_string(trainer.state().step + 1) + ".." +
       std::to_string(o.steps) +
-      (resumed ? " (resumed from " + resume_from->string() +
-                     (o.io.model_dir ? "; --model is only where a fresh run starts" : "") + ")"
+      (in.resumed ? " (resumed from " + in.resume_from->string() +
+                        (o.io.model_dir ? "; --model is only where a fresh run starts" : "") + ")"
        : o.resume == ResumeMode::automatic ? " (--resume auto: no checkpoint yet, starting)"
                                            : ""));
-  say(held_out ? "mdist train: held-out loss on " + held_out_data->description + " (" +
+  say(held_out ? "mdist train: held-out loss on " + in.held_out_data->description + " (" +
                      std::to_string(o.eval_max_sequences > 0
                                         ? std::min(o.eval_max_sequences, held_out->count())
                                         : held_out->count()) +
@@ -357,157 +238,130 @@ int run_train(const TrainOptions& o) {
                      (o.eval_every ? "--eval-every 0"
                                    : "no held-out data: --eval-data or --split train") +
                      ")");
+}
 
+// The run's loop: steps, their metrics and progress, held-out losses and checkpoints.
+void run_steps(const TrainOptions& o, const TrainInputs& in, train::Trainer& trainer,
+               const std::optional<train::SequenceSource>& held_out,
+               std::optional<train::MetricsWriter>& metrics) {
   Progress progress(stdout, o.log_every);
-  const int64_t local_batch = o.global_batch / dp;
-  const int64_t T = o.io.seq_len;
-  // --grad-clip 0: no clipping (the norm is still measured, for the log and the finiteness
-  // check).
-  const double max_norm = o.grad_clip > 0 ? o.grad_clip : std::numeric_limits<double>::infinity();
   StepWatchdog watchdog(std::chrono::milliseconds(static_cast<int64_t>(o.watchdog_s * 1000)));
+  const train::StepMetricsFields fields{.aux_loss = trainer.loss().reports_aux_loss(),
+                                        .aux_loss_weight = trainer.loss().aux_loss_weight(),
+                                        .all_to_all_bytes = o.io.expert_parallel > 1,
+                                        .skipped = o.skip_nonfinite};
   const auto started = std::chrono::steady_clock::now();
   int steps_here = 0;
-  for (int step = state.step + 1; step <= o.steps; ++step) {
-    watchdog.reached(step);
-    const auto step_began = std::chrono::steady_clock::now();
-    // This rank's slice of the step's global batch.
-    std::vector<int64_t> which;
-    for (int64_t b = 0; b < local_batch; ++b) {
-      which.push_back(order.window_of(state.sequences_seen + dp_rank * local_batch + b));
-    }
-    const at::Tensor ids = batch_of(windows, which).to(compute_device());
-    const double lr = schedule.at(step);
-    set_lr(*optimizer, lr);
-    optimizer->zero_grad();
-    const int64_t sent_before = ep::all_to_all_bytes();
-    const at::Tensor logits = model->forward(ids);
-    // With tensor parallelism the logits are this rank's vocabulary columns; the loss is the
-    // whole vocabulary's (vocab-parallel cross entropy), the same on every rank of the group.
-    const at::Tensor loss =
-        fault_steps.contains(step)
-            ? hf::causal_lm_loss(model, logits, ids) * std::numeric_limits<double>::quiet_NaN()
-            : hf::causal_lm_loss(model, logits, ids);
-    // The load-balancing loss (every token of a window is real: no mask) is measured for the
-    // log in any case, and in the objective with weight aux_coef.
-    const at::Tensor aux = moe ? model->aux_loss() : at::Tensor();
-    (aux_coef > 0 ? loss + aux_coef * aux.to(loss.device()) : loss).backward();
-    const double grad_norm = hf::clip_grad_norm_(model, max_norm);
-
-    // One small all-gather per step, before the update: each rank's (loss, peak RSS). Every
-    // rank's batch has the same number of tokens, so the mean of the ranks' means is the
-    // global batch's mean loss (the tensor-parallel ranks of a data-parallel rank repeat its
-    // loss, each as many times). The loss and the global gradient norm are the same on every
-    // rank, so every rank takes the same decision on a non-finite step.
-    // A mixture of experts also reports its load-balancing loss (the ranks' mean, as the loss).
-    // Under expert parallelism, also the bytes each rank sent to others by all-to-all in
-    // the step (tokens to their experts and back, forward and backward).
-    const auto reports =
-        allgather(std::tuple{loss.item<double>(), peak_rss_mib(), moe ? aux.item<double>() : 0.0,
-                             ep::all_to_all_bytes() - sent_before});
-    double mean_loss = 0, mean_aux = 0;
-    std::vector<double> peaks;
-    std::vector<int64_t> sent;
-    for (const auto& [rank_loss, peak, rank_aux, rank_sent] : reports) {
-      mean_loss += rank_loss / world;
-      mean_aux += rank_aux / world;
-      peaks.push_back(peak);
-      sent.push_back(rank_sent);
-    }
-    const bool finite =
-        std::isfinite(mean_loss) && std::isfinite(mean_aux) && std::isfinite(grad_norm);
-    if (!finite && !o.skip_nonfinite) {
+  while (!trainer.done()) {
+    watchdog.reached(trainer.state().step + 1);
+    train::StepStats stats;
+    try {
+      stats = trainer.step();
+    } catch (const train::NonFiniteStep& error) {
       progress.finish();
-      const auto last = latest_checkpoint(o.out);
+      const auto last = train::latest_checkpoint(o.out);
       throw AgreedFailure(
-          "step " + std::to_string(step) + ": the " +
-              (std::isfinite(mean_loss) ? "gradient norm is " + flag_value(grad_norm)
-                                        : "loss is " + flag_value(mean_loss)) +
-              "; stopped before the optimizer step, nothing saved (" +
+          std::string(error.what()) + ", nothing saved (" +
               (last ? "the last checkpoint is " + last->string() : std::string("no checkpoint")) +
               "). Lower --lr, or pass --skip-nonfinite-steps to skip such steps",
           rank() == 0, 1);
     }
-    if (finite) {
-      optimizer->step();
-    } else {
-      ++state.skipped_steps;  // the batch is consumed, the weights and moments are unchanged
-    }
-    state.step = step;
-    state.sequences_seen += o.global_batch;
-    const double step_s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - step_began).count();
     ++steps_here;
-    if (rank() == 0) {
-      nlohmann::json line = {
-          {"step", step},
-          // JSON has no NaN or infinity: a non-finite value is null.
-          {"loss", std::isfinite(mean_loss) ? nlohmann::json(mean_loss) : nlohmann::json(nullptr)},
-          {"lr", lr},
-          {"tokens_per_s", static_cast<double>(o.global_batch * T) / step_s},
-          {"step_time_s", step_s},
-          {"grad_norm",
-           std::isfinite(grad_norm) ? nlohmann::json(grad_norm) : nlohmann::json(nullptr)},
-          {"peak_rss_mib", peaks},
-      };
-      if (moe) {
-        line["aux_loss"] =
-            std::isfinite(mean_aux) ? nlohmann::json(mean_aux) : nlohmann::json(nullptr);
-        line["router_aux_loss_coef"] = aux_coef;  // its weight in the objective (0: not in it)
-        if (layout.expert_parallel() > 1) line["all_to_all_bytes"] = sent;
-      }
-      if (o.skip_nonfinite) {
-        line["skipped"] = !finite;
-        line["skipped_steps"] = state.skipped_steps;
-      }
-      metrics << line.dump() << '\n' << std::flush;
+    const int step = stats.step;
+    if (metrics) {
+      metrics->write(train::step_metrics(stats, fields, trainer.state().skipped_steps));
       progress.update(
           {.step = step,
            .total_steps = o.steps,
-           .loss = mean_loss,
-           .lr = lr,
-           .tokens_per_s = static_cast<double>(o.global_batch * T) / step_s,
+           .loss = stats.loss,
+           .lr = stats.lr,
+           .tokens_per_s = stats.tokens_per_s,
            .elapsed_s =
                std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(),
            .steps_done_here = steps_here,
-           .peak_rss_mib = peaks});
+           .peak_rss_mib = stats.peak_rss_mib});
     }
     const bool save = (o.save_every > 0 && step % o.save_every == 0) || step == o.steps;
     const bool evaluate =
         held_out && (o.eval_every ? (step % *o.eval_every == 0 || step == o.steps) : save);
     if (evaluate) {
-      const HeldOutLoss held =
-          held_out_loss(model, *held_out, parallel, local_batch, o.eval_max_sequences);
-      if (rank() == 0) {
-        const nlohmann::json line = {{"step", step},
-                                     {"eval_loss", held.mean()},
-                                     {"eval_perplexity", std::exp(held.mean())},
-                                     {"eval_tokens", held.tokens}};
-        metrics << line.dump() << '\n' << std::flush;
+      const train::HeldOutLoss held = trainer.evaluate(*held_out, o.eval_max_sequences);
+      if (metrics) {
+        metrics->write(train::eval_metrics(step, held));
         progress.note("mdist train: step " + std::to_string(step) + ": held-out loss " +
                       format_number("%.4f", held.mean()) + ", perplexity " +
                       format_number("%.3f", std::exp(held.mean())));
       }
     }
-    if (save) {
-      save_training_checkpoint(o.out, model, *optimizer, state, o.keep, parallel,
-                               tokenizer_files(model_choice));
-    }
+    if (save) trainer.save(o.out, o.keep, tokenizer_files(in.model));
   }
   progress.finish();
-  if (rank() == 0) {
-    metrics.close();
-    const auto points = loss_points(metrics_path, "loss");
-    hf::write_file_atomically(o.out / "loss.svg",
-                              loss_curve_svg(points, "mdist train: " + data.description,
-                                             loss_points(metrics_path, "eval_loss")));
-    say("mdist train: done; final loss " +
-        format_number("%.4f", points.empty() ? 0.0 : points.back().second) +
-        (state.skipped_steps > 0
-             ? " (" + std::to_string(state.skipped_steps) + " non-finite step(s) skipped)"
-             : std::string()) +
-        ". Wrote " + metrics_path.string() + ", " + (o.out / "loss.svg").string() +
-        " and checkpoint " + (o.out / "checkpoints").string() + "/" + "latest");
+}
+
+// Rank 0: the loss plot and the closing line.
+void finish(const TrainOptions& o, const TrainInputs& in, const train::Trainer& trainer,
+            train::MetricsWriter& metrics) {
+  metrics.close();
+  const auto points = train::metric_points(metrics.path(), "loss");
+  hf::write_file_atomically(o.out / "loss.svg",
+                            loss_curve_svg(points, "mdist train: " + in.data.description,
+                                           train::metric_points(metrics.path(), "eval_loss")));
+  const int skipped = trainer.state().skipped_steps;
+  say("mdist train: done; final loss " +
+      format_number("%.4f", points.empty() ? 0.0 : points.back().second) +
+      (skipped > 0 ? " (" + std::to_string(skipped) + " non-finite step(s) skipped)"
+                   : std::string()) +
+      ". Wrote " + metrics.path().string() + ", " + (o.out / "loss.svg").string() +
+      " and checkpoint " + (o.out / "checkpoints").string() + "/" + "latest");
+}
+
+}  // namespace
+
+int run_train(const TrainOptions& o) {
+  const Session session(setup_options(o.io.timeout_s));
+  configure_threads();
+  const TrainInputs in = check_inputs(o);
+  for (const auto& warning : in.warnings) say("mdist train: warning: " + warning);
+  if (in.already_complete) {
+    say("mdist train: the run in " + o.out.string() + " is already complete (" +
+        in.resume_from->string() + " is at step " + std::to_string(in.resumed->step) +
+        " of --steps " + std::to_string(o.steps) + "); nothing to do, nothing written");
+    return 0;
   }
+  const Windows windows(in.data, o.io.seq_len, "train");
+  std::optional<Windows> held_out_windows;
+  if (in.held_out_data)
+    held_out_windows.emplace(*in.held_out_data, o.io.seq_len, "train (held out)");
+  std::optional<train::SequenceSource> held_out;
+  if (held_out_windows)
+    held_out = sequence_source(*held_out_windows, in.held_out_data->description);
+  const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
+  hf::CausalLM model = build_wrapped_model(in.model, o.io.seed, layout, in.mp_policy);
+  // The run directory is this job's from here on (rank 0 holds the lock; a second job into
+  // the same directory gets one line naming this one's pid). Taken once the model is known to
+  // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.
+  std::unique_ptr<RunLock> lock;
+  agree_on_inputs([&] {
+    if (rank() == 0) lock = std::make_unique<RunLock>(o.out);
+  });
+  if (rank() == 0 && in.replace_earlier) remove_earlier_run(o.out);
+  const double aux_weight = train::aux_loss_weight(model->config, o.router_aux_loss_coef);
+  auto loss = std::make_unique<train::CausalLmLoss>(model->config, aux_weight);
+  train::Trainer trainer(model, layout.parallel,
+                         sequence_source(windows, in.data.description,
+                                         std::make_shared<WindowOrder>(windows.count(), o.io.seed)),
+                         trainer_options(o, in.fault_steps), std::move(loss),
+                         run_flags(o, in.data, in.model));
+  if (rank() == 0) fs::create_directories(o.out);
+  if (in.resumed) trainer.resume(*in.resume_from, *in.resumed);
+  std::optional<train::MetricsWriter> metrics;
+  if (rank() == 0) {
+    metrics.emplace(o.out / "metrics.jsonl",
+                    in.resumed ? std::optional<int>(trainer.state().step) : std::nullopt);
+  }
+  log_start(o, in, layout, trainer, windows, held_out_windows);
+  run_steps(o, in, trainer, held_out, metrics);
+  if (metrics) finish(o, in, trainer, *metrics);
   return 0;
 }
 

@@ -1,5 +1,5 @@
-// The training checkpoints of `mdist train` (src/cli/checkpoint.cpp, compiled in) under expert
-// parallelism, run by mdistrun with 1-4 ranks: a checkpoint written in any (dp, ep) layout,
+// The training library's checkpoints (mdist/train/checkpoint.h, as `mdist train` writes
+// them) under expert parallelism, run by mdistrun with 1-4 ranks: a checkpoint written in any (dp, ep) layout,
 // with the experts sharded by FSDP or whole, holds every expert's AdamW moments once under its
 // global name, and resumes in every other layout the world allows as the unsplit model's run
 // would continue.
@@ -25,7 +25,7 @@
 #include "mdist/hf/pretrained.h"
 #include "mdist/mdist.h"
 #include "mdist/runtime/c10d.h"
-#include "src/cli/checkpoint.h"
+#include "mdist/train/checkpoint.h"
 
 namespace {
 
@@ -182,18 +182,18 @@ TEST_P(ExpertParallelCheckpoint, ResumesInEveryLayoutAsTheUnsplitRun) {
           train_step(model, opt, batches[static_cast<std::size_t>(step)],
                      wrap ? std::nullopt : std::optional(layout.expert_data_parallel));
         }
-        mdist::cli::TrainerState state;
+        mdist::train::TrainerState state;
         state.step = kSavedSteps;
         state.sequences_seen = int64_t{kSavedSteps} * kGlobalBatch;
         state.run = nlohmann::json::object();
-        mdist::cli::save_training_checkpoint(run, model, opt, state, 1, layout.state);
+        mdist::train::save_training_checkpoint(run, model, opt, state, 1, layout.state);
       }
-      const auto checkpoint = mdist::cli::latest_checkpoint(run);
+      const auto checkpoint = mdist::train::latest_checkpoint(run);
       ASSERT_TRUE(checkpoint.has_value()) << saved_as;
       // Every expert's moments are there, covering each parameter exactly once.
-      EXPECT_NO_THROW(mdist::cli::check_optimizer_state(*checkpoint, config, kSavedSteps))
+      EXPECT_NO_THROW(mdist::train::check_optimizer_state(*checkpoint, config, kSavedSteps))
           << saved_as;
-      const mdist::cli::TrainerState state = mdist::cli::read_trainer_state(*checkpoint);
+      const mdist::train::TrainerState state = mdist::train::read_trainer_state(*checkpoint);
 
       for (const int ep : layouts()) {
         const std::string what = saved_as + ", resumed with ep " + std::to_string(ep);
@@ -202,7 +202,7 @@ TEST_P(ExpertParallelCheckpoint, ResumesInEveryLayoutAsTheUnsplitRun) {
             *checkpoint,
             {.parallel = layout.state, .expert_data_parallel = layout.expert_data_parallel});
         auto opt = adamw(model);
-        mdist::cli::load_training_checkpoint(*checkpoint, model, opt, state, layout.state);
+        mdist::train::load_training_checkpoint(*checkpoint, model, opt, state, layout.state);
         // Each rank's rows of its own parameters (its experts only) are the unsplit run's
         // moments at the checkpoint.
         for (const auto& [name, place] : mdist::param_placements(*model)) {
@@ -281,23 +281,23 @@ TEST(TrainingCheckpoint, KeepsEachParametersStepAndParametersWithoutState) {
     }
     ASSERT_EQ(state_of(opt, params[missed]).step(), 2) << what;
     ASSERT_FALSE(opt.state().count(params[never].unsafeGetTensorImpl())) << what;
-    mdist::cli::TrainerState state;
+    mdist::train::TrainerState state;
     state.step = 3;
     state.sequences_seen = 3 * kGlobalBatch;
     state.run = nlohmann::json::object();
     const mdist::ParallelState parallel = mdist::make_parallel_state({});
-    mdist::cli::save_training_checkpoint(run, model, opt, state, 1, parallel);
-    const auto checkpoint = mdist::cli::latest_checkpoint(run);
+    mdist::train::save_training_checkpoint(run, model, opt, state, 1, parallel);
+    const auto checkpoint = mdist::train::latest_checkpoint(run);
     ASSERT_TRUE(checkpoint.has_value()) << what;
-    const auto check = mdist::cli::check_optimizer_state(*checkpoint, config, 3);
+    const auto check = mdist::train::check_optimizer_state(*checkpoint, config, 3);
     EXPECT_TRUE(check.per_parameter_steps) << what;
     EXPECT_EQ(check.world_size, mdist::size()) << what;
 
     CausalLM loaded = seeded(config);
     if (wrap) mdist::fsdp2_wrap(*loaded);
     auto loaded_opt = adamw(loaded);
-    mdist::cli::load_training_checkpoint(*checkpoint, loaded, loaded_opt,
-                                         mdist::cli::read_trainer_state(*checkpoint), parallel);
+    mdist::train::load_training_checkpoint(*checkpoint, loaded, loaded_opt,
+                                         mdist::train::read_trainer_state(*checkpoint), parallel);
     const auto loaded_params = loaded->named_parameters();
     for (const auto& item : params) {
       void* key = loaded_params[item.key()].unsafeGetTensorImpl();

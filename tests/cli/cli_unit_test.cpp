@@ -16,7 +16,7 @@
 #include "src/cli/loss_plot.h"
 #include "src/cli/progress.h"
 #include "src/cli/run_dir.h"
-#include "src/cli/schedule.h"
+#include "mdist/train/lr_schedule.h"
 #include "src/cli/token_data.h"
 
 namespace {
@@ -55,7 +55,7 @@ class ScratchFile {
 };
 
 TEST(LrSchedule, WarmsUpLinearlyThenDecaysByCosineToTheFloor) {
-  const mdist::cli::LrSchedule s{
+  const mdist::train::LrSchedule s{
       .peak = 1.0, .warmup_steps = 10, .total_steps = 110, .min_ratio = 0.1};
   EXPECT_DOUBLE_EQ(s.at(1), 0.1);
   EXPECT_DOUBLE_EQ(s.at(5), 0.5);
@@ -63,7 +63,7 @@ TEST(LrSchedule, WarmsUpLinearlyThenDecaysByCosineToTheFloor) {
   EXPECT_NEAR(s.at(60), 0.55, 1e-12);  // half way through the decay: the mid point
   EXPECT_NEAR(s.at(110), 0.1, 1e-12);
   for (int step = 11; step < 110; ++step) EXPECT_GT(s.at(step), s.at(step + 1)) << step;
-  const mdist::cli::LrSchedule no_warmup{
+  const mdist::train::LrSchedule no_warmup{
       .peak = 2.0, .warmup_steps = 0, .total_steps = 4, .min_ratio = 0.0};
   EXPECT_NEAR(no_warmup.at(0), 2.0, 1e-12);
   EXPECT_NEAR(no_warmup.at(4), 0.0, 1e-12);

@@ -1,4 +1,4 @@
-#include "src/cli/checkpoint.h"
+#include "mdist/train/checkpoint.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "mdist/error.h"
 #include "mdist/fsdp/state_dict.h"
 #include "mdist/hf/expert_parallel.h"
 #include "mdist/hf/pretrained.h"
@@ -23,9 +24,8 @@
 #include "mdist/hf/tensor_parallel.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
-#include "src/cli/input_error.h"
 
-namespace mdist::cli {
+namespace mdist::train {
 namespace {
 
 namespace fs = std::filesystem;
@@ -446,10 +446,9 @@ void save_training_checkpoint(const fs::path& run_dir, hf::CausalLM& model,
       std::error_code ec;
       fs::remove_all(tmp, ec);
     }
-    throw AgreedFailure("cannot write checkpoint " + (dir / name).string() + ": " +
-                            first->substr(0, first->find('\n')) +
-                            (latest_checkpoint(run_dir) ? "; the previous checkpoint is kept" : ""),
-                        rank() == 0, 1);
+    throw AgreedError("cannot write checkpoint " + (dir / name).string() + ": " +
+                      first->substr(0, first->find('\n')) +
+                      (latest_checkpoint(run_dir) ? "; the previous checkpoint is kept" : ""));
   };
   if (rank() == 0) {
     attempt([&] {
@@ -737,4 +736,4 @@ void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
   set_cpu_rng_state(usable ? *own : state.rng_state_hex);
 }
 
-}  // namespace mdist::cli
+}  // namespace mdist::train

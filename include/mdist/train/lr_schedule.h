@@ -1,11 +1,12 @@
 #pragma once
-// The learning-rate schedule of `mdist train`: linear warm-up to the peak, then cosine decay to
-// min_ratio * peak at the last step (the schedule most LLM pre-training recipes use).
+// The learning-rate schedule of the trainer (and so of `mdist train`): linear warm-up to the peak,
+// then cosine decay to min_ratio * peak at the last step (the schedule most LLM pre-training
+// recipes use).
 #include <algorithm>
 #include <cmath>
 #include <numbers>
 
-namespace mdist::cli {
+namespace mdist::train {
 
 struct LrSchedule {
   double peak = 3e-3;
@@ -26,4 +27,4 @@ struct LrSchedule {
   }
 };
 
-}  // namespace mdist::cli
+}  // namespace mdist::train

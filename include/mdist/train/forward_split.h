@@ -1,13 +1,13 @@
 #pragma once
-// Forward-only passes of eval and calibrate over windows split across data-parallel ranks.
-// Rank r takes windows r, r + W, r + 2W, ...; every rank runs the same number of forwards
+// Forward-only passes (held-out loss, eval, calibrate) over windows split across data-parallel
+// ranks. Rank r takes windows r, r + W, r + 2W, ...; every rank runs the same number of forwards
 // (FSDP's all-gathers are collective), a rank that has run out of windows repeats window 0
 // with its results discarded.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-namespace mdist::cli {
+namespace mdist::train {
 
 struct ForwardPlan {
   // This rank's windows, in order.
@@ -24,4 +24,4 @@ inline ForwardPlan plan_forwards(std::int64_t total, int world, int rank, std::i
   return plan;
 }
 
-}  // namespace mdist::cli
+}  // namespace mdist::train

@@ -1,5 +1,5 @@
 #pragma once
-// Training checkpoints of `mdist train`, in RUN/checkpoints/step-NNNNNNNN/:
+// Training checkpoints of the trainer (mdist train), in RUN/checkpoints/step-NNNNNNNN/:
 //   config.json, model.safetensors (or shards + index)   the Hugging Face layout, loadable by
 //                                                        transformers and by --model
 //   optimizer/rank-RRRRR-of-WWWWW.safetensors            each rank's block of AdamW's moments,
@@ -29,7 +29,7 @@ namespace torch::optim {
 class Optimizer;
 }
 
-namespace mdist::cli {
+namespace mdist::train {
 
 struct TrainerState {
   int step = 0;                     // optimizer steps done
@@ -96,4 +96,4 @@ void load_training_checkpoint(const std::filesystem::path& checkpoint, hf::Causa
                               torch::optim::Optimizer& optimizer, const TrainerState& state,
                               const ParallelState& parallel = ParallelState());
 
-}  // namespace mdist::cli
+}  // namespace mdist::train

@@ -1,0 +1,114 @@
+// See src/cli/train_options.h.
+#include "src/cli/train_options.h"
+
+#include <CLI/CLI.hpp>
+
+#include "mdist/error.h"
+
+namespace mdist::cli {
+
+void declare_train_flags(CLI::App& app, TrainOptions& o) {
+  declare_model_data_flags(app, o.io);
+  app.add_option("--out", o.out, "Run directory: metrics.jsonl, loss.svg, checkpoints/")
+      ->capture_default_str()
+      ->type_name("DIR");
+  app.add_option("--steps", o.steps, "Optimizer steps")->capture_default_str();
+  app.add_option("--global-batch", o.global_batch,
+                 "Sequences per step over all data-parallel ranks (must divide evenly)")
+      ->capture_default_str();
+  app.add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str();
+  app.add_option("--min-lr-ratio", o.min_lr_ratio, "Cosine decay ends at this fraction of --lr")
+      ->capture_default_str();
+  app.add_option("--warmup", o.warmup, "Linear warm-up steps")->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay (matrices)")
+      ->capture_default_str();
+  app.add_option("--grad-clip", o.grad_clip,
+                 "Clip the global gradient norm to this (0: no clipping)")
+      ->capture_default_str();
+  app.add_option("--save-every", o.save_every, "Checkpoint every K steps (0: only at the end)")
+      ->capture_default_str();
+  app.add_option("--keep", o.keep, "Checkpoints kept (the newest)")->capture_default_str();
+  app.add_option("--log-every", o.log_every, "Log line every K steps when stdout is not a terminal")
+      ->capture_default_str();
+  app.add_option("--resume", o.resume_flag,
+                 "Continue from the run directory's last checkpoint (its model: no --model); "
+                 "--resume auto: continue if there is one, else start (from --model if given)")
+      ->expected(0, 1)
+      ->default_str("always")
+      ->check(CLI::IsMember({"always", "auto"}))
+      ->type_name("[auto]");
+  app.add_flag("--overwrite", o.overwrite,
+               "Replace an earlier run in --out (its metrics and checkpoints); without "
+               "it a fresh run into a directory holding one is refused");
+  app.add_flag("--skip-nonfinite-steps", o.skip_nonfinite,
+               "Skip (no update) a step whose loss or gradient norm is not finite, "
+               "counted in metrics.jsonl; without it such a step stops the run");
+  app.add_option("--eval-every", o.eval_every,
+                 "Held-out loss every K steps (default: at each checkpoint; 0: never)")
+      ->type_name("K");
+  app.add_option("--eval-data", o.eval_data,
+                 "Held-out data (same --data-format); default: the eval split (last 10%) of "
+                 "the training data when --split is train (the embedded corpus' default)")
+      ->type_name("FILE");
+  app.add_option("--watchdog", o.watchdog_s,
+                 "Rank 0 reports a rank that has not reached the others' step for this many "
+                 "seconds (0: never)")
+      ->capture_default_str()
+      ->type_name("SECONDS");
+  app.add_option("--router-aux-loss-coef", o.router_aux_loss_coef,
+                 "Weight of a mixture of experts' load-balancing loss in the objective "
+                 "(0: none); default: the config's router_aux_loss_coef when its "
+                 "output_router_logits is true, else none (as transformers)")
+      ->type_name("W");
+  app.add_option("--eval-max-sequences", o.eval_max_sequences,
+                 "Held-out sequences per evaluation (0: all)")
+      ->capture_default_str();
+  app.footer("\nExample: mdistrun --nproc-per-node 2 mdist train --steps 600 --out runs/long");
+
+  app.callback([&o] {
+    o.resume = o.resume_flag.empty()     ? ResumeMode::off
+               : o.resume_flag == "auto" ? ResumeMode::automatic
+                                         : ResumeMode::always;
+  });
+}
+
+void check_train_flags(const TrainOptions& o, int world) {
+  const int tp = o.io.tensor_parallel;
+  const int dp = tp >= 1 && world % tp == 0 ? world / tp : world;
+  check_at_least(o.steps, 1, "--steps");
+  check_at_least(o.global_batch, 1, "--global-batch");
+  check_tensor_parallel_size(tp, world);
+  check_expert_parallel_size(o.io.expert_parallel, tp, world);
+  if (o.global_batch % dp != 0) {
+    throw InputError("--global-batch " + std::to_string(o.global_batch) +
+                     " is not divisible by the data-parallel size " + std::to_string(dp));
+  }
+  check_positive(o.lr, "--lr");
+  if (!(o.min_lr_ratio >= 0 && o.min_lr_ratio <= 1)) {
+    throw InputError(
+        "--min-lr-ratio must be in [0, 1] (the end of the cosine decay as a "
+        "fraction of --lr), got " +
+        flag_value(o.min_lr_ratio));
+  }
+  check_at_least(o.warmup, 0, "--warmup");
+  check_non_negative(o.weight_decay, "--weight-decay");
+  check_non_negative(o.grad_clip, "--grad-clip (0: no clipping)");
+  check_at_least(o.save_every, 0, "--save-every");
+  check_at_least(o.keep, 1, "--keep");
+  check_at_least(o.log_every, 1, "--log-every");
+  if (o.eval_every) check_at_least(*o.eval_every, 0, "--eval-every");
+  check_at_least(o.eval_max_sequences, 0, "--eval-max-sequences");
+  check_non_negative(o.watchdog_s, "--watchdog");
+  if (o.router_aux_loss_coef) {
+    check_non_negative(*o.router_aux_loss_coef, "--router-aux-loss-coef (0: none)");
+  }
+  if (o.resume == ResumeMode::always && o.io.model_dir) {
+    throw InputError("--resume continues from the last checkpoint of '" + o.out.string() +
+                     "', which is the model; --model cannot be given with it");
+  }
+  if (o.resume != ResumeMode::off && o.overwrite) {
+    throw InputError("--resume and --overwrite exclude each other");
+  }
+}
+
+}  // namespace mdist::cli

@@ -1,0 +1,51 @@
+#pragma once
+// `mdist train`'s options: each flag's default (here), its name and help
+// (declare_train_flags) and its validation (check_train_flags), in one place.
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "src/cli/flags.h"
+
+namespace mdist::cli {
+
+// --resume: off (a fresh run), always (bare --resume: continue, a checkpoint must exist), or
+// automatic (--resume auto: continue when the run directory has a checkpoint, else start; the
+// same command line then serves every restart of a job).
+enum class ResumeMode { off, always, automatic };
+
+struct TrainOptions {
+  ModelDataOptions io;
+  std::filesystem::path out = "runs/default";
+  int steps = 300;
+  std::int64_t global_batch = 16;
+  double lr = 3e-3;
+  double min_lr_ratio = 0.1;
+  int warmup = 30;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;
+  int save_every = 100;  // 0: only at the end
+  int keep = 2;          // checkpoints kept (the newest)
+  int log_every = 10;
+  ResumeMode resume = ResumeMode::off;
+  bool overwrite = false;       // replace an earlier run in `out` (never the --model source)
+  bool skip_nonfinite = false;  // skip a step whose loss or gradient norm is not finite
+  // Held-out loss every K steps; nullopt: at each checkpoint; 0: never.
+  std::optional<int> eval_every;
+  std::optional<std::filesystem::path> eval_data;  // else the eval split of the training data
+  std::int64_t eval_max_sequences = 256;           // 0: all
+  double watchdog_s = 300;  // report a rank that lags the others' step this long (0: never)
+  // --router-aux-loss-coef: the weight of a mixture of experts' load-balancing loss in the
+  // objective. nullopt: the config's (router_aux_loss_coef when output_router_logits is true,
+  // else none, as transformers); 0: none; else this weight.
+  std::optional<double> router_aux_loss_coef;
+  std::string resume_flag;  // --resume as given ("" when absent); sets `resume` after parsing
+};
+
+void declare_train_flags(CLI::App& app, TrainOptions& options);
+// The flags alone (ranges, exclusions, sizes against the world of `world` ranks), in the order
+// they are reported: InputError naming the first bad one.
+void check_train_flags(const TrainOptions& options, int world);
+
+}  // namespace mdist::cli
