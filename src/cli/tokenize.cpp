@@ -20,7 +20,6 @@
 #include "src/cli/document_encoder.h"
 #include "src/cli/documents.h"
 #include "src/cli/job.h"
-#include "src/cli/mapped_file.h"
 #include "src/cli/progress.h"
 
 namespace mdist::cli {
