@@ -14,7 +14,7 @@ namespace {
 constexpr std::size_t kReleaseStep = std::size_t{8} << 20;
 
 // 1-based number of the line that starts at `offset` (only computed for a message).
-std::size_t line_number(const MappedFile& file, std::size_t offset) {
+std::size_t line_number(const io::MappedFile& file, std::size_t offset) {
   std::size_t lines = 1;
   for (std::size_t at = 0; at < offset; at += kReleaseStep) {
     const std::size_t n = std::min(kReleaseStep, offset - at);
@@ -25,7 +25,27 @@ std::size_t line_number(const MappedFile& file, std::size_t offset) {
   return lines;
 }
 
+// `path` mapped, or the InputError of the command's message.
+io::MappedFile map_input_file(const std::filesystem::path& path, const char* what) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    throw InputError(std::string(what) + " '" + path.string() + "' does not exist");
+  }
+  if (std::filesystem::is_directory(path, ec)) {
+    throw InputError(std::string(what) + " '" + path.string() + "' is a directory");
+  }
+  try {
+    return io::MappedFile(path);
+  } catch (const io::FileError& e) {
+    throw InputError(std::string(e.operation() == "mmap" ? "cannot map " : "cannot read ") + what +
+                     " '" + path.string() + "': " + std::strerror(e.error_number()));
+  }
+}
+
 }  // namespace
+
+MappedFile::MappedFile(const std::filesystem::path& path, const char* what)
+    : io::MappedFile(map_input_file(path, what)) {}
 
 DocumentFormat parse_document_format(const std::string& name) {
   if (name == "text") return DocumentFormat::text;
@@ -40,7 +60,7 @@ SampleBy parse_sample_by(const std::string& name) {
   throw InputError("unknown --sample-by '" + name + "' (expected line, paragraph or document)");
 }
 
-std::size_t next_boundary(const MappedFile& file, std::size_t offset, SampleBy sample_by) {
+std::size_t next_boundary(const io::MappedFile& file, std::size_t offset, SampleBy sample_by) {
   const std::size_t size = file.size();
   if (offset == 0 || offset >= size || sample_by == SampleBy::document) {
     return offset == 0 ? 0 : size;
@@ -55,7 +75,7 @@ std::size_t next_boundary(const MappedFile& file, std::size_t offset, SampleBy s
   return size;
 }
 
-std::pair<std::size_t, std::size_t> document_range(const MappedFile& file, int index, int count,
+std::pair<std::size_t, std::size_t> document_range(const io::MappedFile& file, int index, int count,
                                                    SampleBy sample_by) {
   const auto cut = [&](int i) {
     // size * i / count without overflow: size = q * count + r.
@@ -67,7 +87,7 @@ std::pair<std::size_t, std::size_t> document_range(const MappedFile& file, int i
   return {cut(index), cut(index + 1)};
 }
 
-void for_each_document(const MappedFile& file, std::size_t begin, std::size_t end,
+void for_each_document(const io::MappedFile& file, std::size_t begin, std::size_t end,
                        const DocumentOptions& options,
                        const std::function<void(std::string_view, std::size_t)>& fn) {
   const auto* base = reinterpret_cast<const char*>(file.data());

@@ -9,13 +9,22 @@
 // (next_boundary), so that every document lies in exactly one range whatever their number.
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <string_view>
 
-#include "src/cli/mapped_file.h"
+#include "mdist/io/mapped_file.h"
 
 namespace mdist::cli {
+
+// A data file of the command, memory-mapped (mdist::io::MappedFile), with the command's checks
+// and messages: InputError naming the file as `what` ("data file"): "data file 'PATH' does not
+// exist", "... is a directory", "cannot read data file 'PATH': REASON", "cannot map ...".
+class MappedFile : public io::MappedFile {
+ public:
+  MappedFile(const std::filesystem::path& path, const char* what);
+};
 
 enum class DocumentFormat { text, jsonl };
 enum class SampleBy { line, paragraph, document };
@@ -32,18 +41,18 @@ SampleBy parse_sample_by(const std::string& name);              // throws InputE
 // The first document boundary at or after `offset` (0 and the file's size are boundaries;
 // lines: just after a '\n'; paragraphs: just after an empty line, "\n\n"; one document: none
 // in between).
-std::size_t next_boundary(const MappedFile& file, std::size_t offset, SampleBy sample_by);
+std::size_t next_boundary(const io::MappedFile& file, std::size_t offset, SampleBy sample_by);
 
 // Part `index` of `count` of the file, cut at document boundaries: the parts cover the file,
 // do not overlap, and do not depend on anything but the file, the options and `count`.
-std::pair<std::size_t, std::size_t> document_range(const MappedFile& file, int index, int count,
+std::pair<std::size_t, std::size_t> document_range(const io::MappedFile& file, int index, int count,
                                                    SampleBy sample_by);
 
 // Calls fn(document text, byte offset of the document) for every non-empty document that
 // starts in [begin, end), in order; begin and end must be boundaries. A JSON Lines line that
 // is not an object with a string field `field` is an InputError naming the file, the line
 // number and the field. Lines lose a trailing '\r'.
-void for_each_document(const MappedFile& file, std::size_t begin, std::size_t end,
+void for_each_document(const io::MappedFile& file, std::size_t begin, std::size_t end,
                        const DocumentOptions& options,
                        const std::function<void(std::string_view, std::size_t)>& fn);
 

@@ -6,6 +6,7 @@
 #include <numeric>
 #include <random>
 
+#include "src/cli/documents.h"
 #include "src/cli/input_error.h"
 
 namespace mdist::cli {
@@ -197,7 +198,8 @@ std::vector<std::int32_t> TokenStream::read(std::int64_t first, std::int64_t cou
 TokenStream load_tokens(const std::filesystem::path& path, DataFormat format, DataSplit split,
                         std::int64_t vocab_size, CheckPart part) {
   format = resolve_data_format(path, format);
-  auto file = std::make_shared<const MappedFile>(path, "data file");
+  std::shared_ptr<const io::MappedFile> file =
+      std::make_shared<const MappedFile>(path, "data file");
   if (format == DataFormat::ids) {
     const std::string_view text(reinterpret_cast<const char*>(file->data()), file->size());
     return token_stream_of(decimal_ids(text, path.string()), path.string(), "ids", split,

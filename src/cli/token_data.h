@@ -16,7 +16,7 @@
 #include <string_view>
 #include <vector>
 
-#include "src/cli/mapped_file.h"
+#include "mdist/io/mapped_file.h"
 
 namespace mdist::cli {
 
@@ -62,7 +62,7 @@ class TokenStream {
                                      const std::string&, DataSplit, std::int64_t);
   std::int64_t at(std::int64_t i) const;  // the id at position i of the file or vector
 
-  std::shared_ptr<const MappedFile> file_;
+  std::shared_ptr<const io::MappedFile> file_;
   int width_ = 0;        // bytes per id in the file: 1 (text), 2, 4
   bool signed_ = false;  // i32
   std::shared_ptr<const std::vector<std::int32_t>> ids_;

@@ -1,9 +1,10 @@
 // `mdist tokenize`: a text or JSON Lines corpus to a binary token file (.u16 / .u32) with a
 // model directory's tokenizer.json, split across the ranks by byte ranges cut at document
 // boundaries. Each rank writes its documents' ids to a hidden part file next to the output;
-// rank 0 then joins the parts in rank order into a hidden temporary file, fsyncs it and renames
-// it into place. The output is therefore the same bytes whatever the number of ranks, appears
-// whole or not at all, and an earlier output survives a failed run.
+// rank 0 then joins the parts in rank order into the output through mdist::io::AtomicFile (a
+// hidden temporary file, fsynced and renamed into place). The output is therefore the same bytes
+// whatever the number of ranks, appears whole or not at all, and an earlier output survives a
+// failed run.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -14,13 +15,13 @@
 #include <random>
 
 #include "mdist/hf/tokenizer.h"
+#include "mdist/io/atomic_file.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 #include "src/cli/commands.h"
 #include "src/cli/document_encoder.h"
 #include "src/cli/documents.h"
 #include "src/cli/job.h"
-#include "src/cli/mapped_file.h"
 #include "src/cli/progress.h"
 
 namespace mdist::cli {
@@ -77,8 +78,8 @@ class IdWriter {
   std::int64_t count_ = 0;
 };
 
-// Appends the file `part` to the open descriptor `out`.
-void append_file(int out, const fs::path& part) {
+// Appends the file `part` to `out`.
+void append_file(io::AtomicFile& out, const fs::path& part) {
   const int in = ::open(part.c_str(), O_RDONLY | O_CLOEXEC);
   if (in < 0) throw Error("cannot read '" + part.string() + "': " + std::strerror(errno));
   std::vector<char> buffer(std::size_t{4} << 20);
@@ -89,24 +90,27 @@ void append_file(int out, const fs::path& part) {
       throw Error("cannot read '" + part.string() + "': " + std::strerror(errno));
     }
     if (n == 0) break;
-    for (ssize_t done = 0; done < n;) {
-      const ssize_t w = ::write(out, buffer.data() + done, static_cast<std::size_t>(n - done));
-      if (w < 0) {
-        ::close(in);
-        throw Error(std::string("cannot write the output: ") + std::strerror(errno));
-      }
-      done += w;
+    try {
+      out.write(buffer.data(), static_cast<std::size_t>(n));
+    } catch (...) {
+      ::close(in);
+      throw;
     }
   }
   ::close(in);
 }
 
-void fsync_dir(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    (void)::fsync(fd);
-    ::close(fd);
+// The output's failures in the words `mdist tokenize` has always used (a failed rename in those
+// of std::filesystem::rename).
+std::string output_failure(const io::FileError& e) {
+  const std::string reason = std::strerror(e.error_number());
+  if (e.operation() == "write") return "cannot write the output: " + reason;
+  if (e.operation() == "rename") {
+    return "filesystem error: cannot rename: " + reason + " [" + e.path().string() + "] [" +
+           e.target().string() + "]";
   }
+  const std::string verb = e.operation() == "create temporary file" ? "create" : e.operation();
+  return "cannot " + verb + " '" + e.path().string() + "': " + reason;
 }
 
 // Removes `path` if it exists; never throws (cleanup on the way out of an error).
@@ -150,148 +154,189 @@ class PartProgress {
   std::chrono::steady_clock::time_point last_{};
 };
 
+// What `mdist tokenize` reads, checked alike on every rank.
+struct TokenizeInputs {
+  DocumentOptions documents;
+  int width = 4;  // bytes per id in the output
+  std::shared_ptr<const hf::Tokenizer> tokenizer;
+  std::shared_ptr<const MappedFile> corpus;
+};
+
+// The flags, the output path, the tokenizer and the corpus; throws InputError.
+TokenizeInputs read_inputs(const TokenizeOptions& o) {
+  TokenizeInputs in;
+  in.documents.format = parse_document_format(o.format);
+  in.documents.sample_by = parse_sample_by(o.sample_by);
+  in.documents.field = o.field;
+  if (in.documents.format == DocumentFormat::jsonl && in.documents.sample_by != SampleBy::line) {
+    throw InputError("--sample-by " + o.sample_by +
+                     " is for --format text; jsonl has one "
+                     "document per line");
+  }
+  if (in.documents.format == DocumentFormat::jsonl && o.field.empty()) {
+    throw InputError("--field must name the JSON field holding the text");
+  }
+  const std::string ext = o.out.extension().string();
+  if (ext != ".u16" && ext != ".u32") {
+    throw InputError("--out '" + o.out.string() +
+                     "': unknown extension (expected .u16 or .u32, little-endian ids)");
+  }
+  in.width = ext == ".u16" ? 2 : 4;
+  const fs::path out_dir = o.out.has_parent_path() ? o.out.parent_path() : fs::path(".");
+  std::error_code ec;
+  if (!fs::is_directory(out_dir, ec)) {
+    throw InputError("--out '" + o.out.string() + "': directory '" + out_dir.string() +
+                     "' does not exist");
+  }
+  if (fs::is_directory(o.out, ec))
+    throw InputError("--out '" + o.out.string() + "' is a directory");
+  check_writable_file(o.out, "output file");
+  in.tokenizer = tokenizer_of(o.model_dir, /*required=*/true);
+  in.corpus = std::make_shared<const MappedFile>(o.data, "data file");
+  if (fs::equivalent(o.data, o.out, ec)) {
+    throw InputError("--out '" + o.out.string() + "' is the --data file");
+  }
+  if (in.width == 2 && in.tokenizer->vocab_size() > 65536) {
+    throw InputError("the tokenizer has " + std::to_string(in.tokenizer->vocab_size()) +
+                     " tokens, more than .u16 holds (65536); use a .u32 --out");
+  }
+  return in;
+}
+
+// The ranks' hidden part files next to the output, named with a tag unique to this job (rank 0
+// draws it; collective).
+class PartFiles {
+ public:
+  explicit PartFiles(const fs::path& out) : out_(out) {
+    if (rank() == 0)
+      tag_ = std::to_string(::getpid()) + "-" + std::to_string(std::random_device{}());
+    tag_ = broadcast(tag_);
+  }
+  fs::path of(int r) const {
+    const fs::path dir = out_.has_parent_path() ? out_.parent_path() : fs::path(".");
+    return dir / ("." + out_.filename().string() + ".tmp-" + tag_ + ".part-" + std::to_string(r));
+  }
+
+ private:
+  fs::path out_;
+  std::string tag_;
+};
+
+// One rank's share of the work: its part written, or the first problem it met (exit code and
+// message).
+struct PartOutcome {
+  std::optional<std::pair<int, std::string>> problem;
+  std::int64_t tokens = 0;
+  std::int64_t documents = 0;
+};
+
+// Encodes the documents that start in [begin, end) into the part file `path`.
+PartOutcome write_part(const TokenizeInputs& in, const fs::path& path, std::size_t begin,
+                       std::size_t end) {
+  PartOutcome outcome;
+  const DocumentEncoder encoder(*in.tokenizer);
+  try {
+    IdWriter writer(path, in.width);
+    PartProgress progress(end - begin);
+    std::vector<std::int32_t> ids;
+    const auto sink = [&](std::span<const std::int32_t> some) { writer.write(some); };
+    for_each_document(*in.corpus, begin, end, in.documents,
+                      [&](std::string_view doc, std::size_t at) {
+                        if (in.documents.sample_by == SampleBy::document) {
+                          encoder.encode_long(doc, sink);
+                        } else {
+                          ids.clear();
+                          encoder.encode(doc, ids);
+                          sink(ids);
+                        }
+                        ++outcome.documents;
+                        progress.update(at + doc.size() - begin, writer.count());
+                      });
+    writer.close();
+    progress.finish();
+    outcome.tokens = writer.count();
+  } catch (const InputError& error) {
+    outcome.problem = {2, error.what()};
+  } catch (const std::exception& error) {
+    outcome.problem = {1, error.what()};
+  }
+  return outcome;
+}
+
+// The job's totals, once every rank has written its part.
+struct Totals {
+  std::int64_t tokens = 0;
+  std::int64_t documents = 0;
+  std::string peaks;  // " MiB MiB ...", one a rank
+};
+
+// Gathers every rank's outcome (collective). The lowest rank's problem is the first one in the
+// file: every rank removes its part and throws it.
+Totals agree_on_parts(const PartOutcome& mine, const PartFiles& parts) {
+  const auto outcomes =
+      allgather(std::tuple{mine.problem, mine.tokens, mine.documents, peak_rss_mib()});
+  for (const auto& [p, t, c, m] : outcomes) {
+    if (!p) continue;
+    remove_quietly(parts.of(rank()));
+    throw AgreedFailure(p->second, rank() == 0, p->first);
+  }
+  Totals totals;
+  for (const auto& [p, t, c, m] : outcomes) {
+    totals.tokens += t;
+    totals.documents += c;
+    char text[32];
+    std::snprintf(text, sizeof(text), " %.0f", m);
+    totals.peaks += text;
+  }
+  return totals;
+}
+
+// Rank 0 joins the parts in rank order into the output, atomically (the directory is shared, as
+// for checkpoints). Returns the failure, if any.
+std::optional<std::string> join_parts(const PartFiles& parts, const fs::path& out) {
+  try {
+    io::AtomicFile file(out);
+    for (int r = 0; r < size(); ++r) append_file(file, parts.of(r));
+    file.commit();
+  } catch (const io::FileError& error) {
+    return output_failure(error);
+  } catch (const std::exception& error) {
+    return error.what();
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 int run_tokenize(const TokenizeOptions& o) {
   const Session session(setup_options(o.timeout_s));
   const auto started = std::chrono::steady_clock::now();
-  std::shared_ptr<const hf::Tokenizer> tokenizer;
-  std::shared_ptr<const MappedFile> corpus;
-  DocumentOptions documents;
-  int width = 4;
-  agree_on_inputs([&] {
-    documents.format = parse_document_format(o.format);
-    documents.sample_by = parse_sample_by(o.sample_by);
-    documents.field = o.field;
-    if (documents.format == DocumentFormat::jsonl && documents.sample_by != SampleBy::line) {
-      throw InputError("--sample-by " + o.sample_by +
-                       " is for --format text; jsonl has one "
-                       "document per line");
-    }
-    if (documents.format == DocumentFormat::jsonl && o.field.empty()) {
-      throw InputError("--field must name the JSON field holding the text");
-    }
-    const std::string ext = o.out.extension().string();
-    if (ext != ".u16" && ext != ".u32") {
-      throw InputError("--out '" + o.out.string() +
-                       "': unknown extension (expected .u16 or .u32, little-endian ids)");
-    }
-    width = ext == ".u16" ? 2 : 4;
-    const fs::path out_dir = o.out.has_parent_path() ? o.out.parent_path() : fs::path(".");
-    std::error_code ec;
-    if (!fs::is_directory(out_dir, ec)) {
-      throw InputError("--out '" + o.out.string() + "': directory '" + out_dir.string() +
-                       "' does not exist");
-    }
-    if (fs::is_directory(o.out, ec)) {
-      throw InputError("--out '" + o.out.string() + "' is a directory");
-    }
-    check_writable_file(o.out, "output file");
-    tokenizer = tokenizer_of(o.model_dir, /*required=*/true);
-    corpus = std::make_shared<const MappedFile>(o.data, "data file");
-    if (fs::equivalent(o.data, o.out, ec)) {
-      throw InputError("--out '" + o.out.string() + "' is the --data file");
-    }
-    if (width == 2 && tokenizer->vocab_size() > 65536) {
-      throw InputError("the tokenizer has " + std::to_string(tokenizer->vocab_size()) +
-                       " tokens, more than .u16 holds (65536); use a .u32 --out");
-    }
-  });
-  say("mdist tokenize: tokenizer: " + tokenizer->description());
-  const DocumentEncoder encoder(*tokenizer);
+  TokenizeInputs in;
+  agree_on_inputs([&] { in = read_inputs(o); });
+  say("mdist tokenize: tokenizer: " + in.tokenizer->description());
 
-  // Hidden names next to the output, unique to this job (rank 0 draws the tag).
-  std::string tag;
-  if (rank() == 0) tag = std::to_string(::getpid()) + "-" + std::to_string(std::random_device{}());
-  tag = broadcast(tag);
-  const fs::path out_dir = o.out.has_parent_path() ? o.out.parent_path() : fs::path(".");
-  const auto part_path = [&](int r) {
-    return out_dir /
-           ("." + o.out.filename().string() + ".tmp-" + tag + ".part-" + std::to_string(r));
-  };
-  const fs::path temp = out_dir / ("." + o.out.filename().string() + ".tmp-" + tag);
+  const PartFiles parts(o.out);
+  const auto [begin, end] = document_range(*in.corpus, rank(), size(), in.documents.sample_by);
+  const Totals totals = agree_on_parts(write_part(in, parts.of(rank()), begin, end), parts);
 
-  const auto [begin, end] = document_range(*corpus, rank(), size(), documents.sample_by);
-  std::int64_t tokens = 0;
-  std::int64_t count = 0;
-  // Each rank's outcome: its own part written, or the first problem it met. The lowest rank's
-  // problem is the first one in the file.
-  std::optional<std::pair<int, std::string>> problem;
-  try {
-    IdWriter writer(part_path(rank()), width);
-    PartProgress progress(end - begin);
-    std::vector<std::int32_t> ids;
-    const auto sink = [&](std::span<const std::int32_t> some) { writer.write(some); };
-    for_each_document(*corpus, begin, end, documents, [&](std::string_view doc, std::size_t at) {
-      if (documents.sample_by == SampleBy::document) {
-        encoder.encode_long(doc, sink);
-      } else {
-        ids.clear();
-        encoder.encode(doc, ids);
-        sink(ids);
-      }
-      ++count;
-      progress.update(at + doc.size() - begin, writer.count());
-    });
-    writer.close();
-    progress.finish();
-    tokens = writer.count();
-  } catch (const InputError& error) {
-    problem = {2, error.what()};
-  } catch (const std::exception& error) {
-    problem = {1, error.what()};
-  }
-  const auto outcomes = allgather(std::tuple{problem, tokens, count, peak_rss_mib()});
-  for (const auto& [p, t, c, m] : outcomes) {
-    if (!p) continue;
-    remove_quietly(part_path(rank()));
-    throw AgreedFailure(p->second, rank() == 0, p->first);
-  }
-  std::int64_t total = 0, documents_total = 0;
-  std::string peaks;
-  for (const auto& [p, t, c, m] : outcomes) {
-    total += t;
-    documents_total += c;
-    char text[32];
-    std::snprintf(text, sizeof(text), " %.0f", m);
-    peaks += text;
-  }
-
-  // Rank 0 joins the parts (the directory is shared, as for checkpoints).
   std::optional<std::string> failure;
-  if (rank() == 0) {
-    int fd = -1;
-    try {
-      fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-      if (fd < 0) throw Error("cannot create '" + temp.string() + "': " + std::strerror(errno));
-      for (int r = 0; r < size(); ++r) append_file(fd, part_path(r));
-      if (::fsync(fd) != 0)
-        throw Error("cannot fsync '" + temp.string() + "': " + std::strerror(errno));
-      ::close(fd);
-      fd = -1;
-      fs::rename(temp, o.out);
-      fsync_dir(out_dir);
-    } catch (const std::exception& error) {
-      if (fd >= 0) ::close(fd);
-      remove_quietly(temp);
-      failure = error.what();
-    }
-  }
+  if (rank() == 0) failure = join_parts(parts, o.out);
   barrier();
-  remove_quietly(part_path(rank()));
+  remove_quietly(parts.of(rank()));
   failure = broadcast(failure);
   if (failure) throw AgreedFailure(*failure, rank() == 0, 1);
 
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const std::size_t bytes = in.corpus->size();
   char line[512];
   std::snprintf(line, sizeof(line),
                 "mdist tokenize: wrote %s: %lld tokens (%s) from %lld documents, %zu bytes of "
                 "%s on %d rank(s) in %.2f s (%.1f MB/s); peak RSS MiB%s",
-                o.out.string().c_str(), static_cast<long long>(total), width == 2 ? "u16" : "u32",
-                static_cast<long long>(documents_total), corpus->size(), o.data.string().c_str(),
-                size(), seconds, static_cast<double>(corpus->size()) / seconds / 1e6,
-                peaks.c_str());
+                o.out.string().c_str(), static_cast<long long>(totals.tokens),
+                in.width == 2 ? "u16" : "u32", static_cast<long long>(totals.documents), bytes,
+                o.data.string().c_str(), size(), seconds,
+                static_cast<double>(bytes) / seconds / 1e6, totals.peaks.c_str());
   say(line);
   return 0;
 }

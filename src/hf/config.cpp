@@ -156,9 +156,26 @@ MoeConfig parse_moe(const Json& j, const LlamaConfig& c) {
   return m;
 }
 
-}  // namespace
+// Which transformers config class an architecture's defaults come from.
+struct Family {
+  bool qwen3 = false;      // Qwen3, Qwen3-MoE
+  bool qwen2_moe = false;  // Qwen2-MoE
+  bool qwen = false;       // any Qwen
+  bool mixtral = false;
+  bool mistral = false;  // Mistral, Mixtral
+};
 
-LlamaConfig LlamaConfig::from_json(const std::string& text) {
+Family family_of(const std::string& architecture) {
+  Family f;
+  f.qwen3 = architecture == "Qwen3ForCausalLM" || architecture == "Qwen3MoeForCausalLM";
+  f.qwen2_moe = architecture == "Qwen2MoeForCausalLM";
+  f.qwen = f.qwen3 || f.qwen2_moe || architecture == "Qwen2ForCausalLM";
+  f.mixtral = architecture == "MixtralForCausalLM";
+  f.mistral = f.mixtral || architecture == "MistralForCausalLM";
+  return f;
+}
+
+Json parse_config_object(const std::string& text) {
   Json j;
   try {
     j = Json::parse(text);
@@ -166,33 +183,20 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
     fail(std::string("config.json is not valid JSON: ") + e.what());
   }
   if (!j.is_object()) fail("config.json is not a JSON object");
+  return j;
+}
 
-  LlamaConfig c;
-  c.source_json = text;
-  c.architecture = architecture_of(j, c.architectures);
-  if (!supported(c.architecture)) {
-    fail("unsupported architecture '" + c.architecture + "' (supported: " + kSupported + ")");
-  }
-  if (c.architectures.empty()) c.architectures = {c.architecture};
-  c.model_type = optional_as<std::string>(j, "model_type", "");
-
+// The layer sizes, head counts and head_dim, checked against each other.
+void read_sizes(const Json& j, const Family& family, LlamaConfig& c) {
   c.hidden_size = required_as<int64_t>(j, "hidden_size");
   c.intermediate_size = required_as<int64_t>(j, "intermediate_size");
   c.num_hidden_layers = required_as<int64_t>(j, "num_hidden_layers");
   c.num_attention_heads = required_as<int64_t>(j, "num_attention_heads");
   c.vocab_size = required_as<int64_t>(j, "vocab_size");
-  // The defaults of transformers' config class of each architecture (a key left out of
-  // config.json means that class's default, not one shared value).
-  const bool qwen3 =
-      c.architecture == "Qwen3ForCausalLM" || c.architecture == "Qwen3MoeForCausalLM";
-  const bool qwen2_moe = c.architecture == "Qwen2MoeForCausalLM";
-  const bool qwen = qwen3 || qwen2_moe || c.architecture == "Qwen2ForCausalLM";
-  const bool mixtral = c.architecture == "MixtralForCausalLM";
-  const bool mistral = mixtral || c.architecture == "MistralForCausalLM";
   const int64_t default_kv_heads = c.architecture == "Qwen3MoeForCausalLM" ? 4
-                                   : qwen2_moe                             ? 16
-                                   : qwen                                  ? 32
-                                   : mistral                               ? 8
+                                   : family.qwen2_moe                      ? 16
+                                   : family.qwen                           ? 32
+                                   : family.mistral                        ? 8
                                                                            : c.num_attention_heads;
   c.num_key_value_heads =
       j.contains("num_key_value_heads")
@@ -222,10 +226,14 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   if (c.head_dim % 2 != 0) {
     fail("RoPE requires an even rotary dimension, but head_dim is " + std::to_string(c.head_dim));
   }
+}
+
+// Context length, norm epsilon, tying, padding, activation and dtype.
+void read_model_settings(const Json& j, const Family& family, LlamaConfig& c) {
   c.max_position_embeddings = optional_as<int64_t>(j, "max_position_embeddings",
-                                                   qwen      ? 32768
-                                                   : mistral ? 131072
-                                                             : 2048);
+                                                   family.qwen      ? 32768
+                                                   : family.mistral ? 131072
+                                                                    : 2048);
   if (c.max_position_embeddings <= 0) fail("max_position_embeddings must be positive");
   c.rms_norm_eps = optional_as<double>(j, "rms_norm_eps", 1e-6);
   c.tie_word_embeddings = optional_as<bool>(j, "tie_word_embeddings", false);
@@ -240,8 +248,10 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
     fail("unsupported hidden_act '" + c.hidden_act + "' (supported: silu)");
   c.torch_dtype = optional_as<std::string>(j, "torch_dtype", "");
   if (c.torch_dtype.empty()) c.torch_dtype = optional_as<std::string>(j, "dtype", "float32");
+}
 
-  // RoPE: transformers 5 nests everything in rope_parameters; 4 has rope_theta + rope_scaling.
+// RoPE: transformers 5 nests everything in rope_parameters; 4 has rope_theta + rope_scaling.
+void read_rope(const Json& j, LlamaConfig& c) {
   if (const auto it = j.find("rope_parameters"); it != j.end() && !it->is_null()) {
     c.rope_theta =
         optional_as<double>(*it, "rope_theta", optional_as<double>(j, "rope_theta", 10000.0));
@@ -252,20 +262,26 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
       c.rope_scaling = parse_rope(*s, "rope_scaling");
   }
   if (!(c.rope_theta > 0)) fail("rope_theta must be positive");
+}
 
+// Which projections carry a bias, and Qwen3's q/k norms.
+void read_biases(const Json& j, const Family& family, LlamaConfig& c) {
   const bool attention_bias = optional_as<bool>(j, "attention_bias", false);
   if (c.architecture == "LlamaForCausalLM") {
     c.qkv_bias = c.o_bias = attention_bias;
     c.mlp_bias = optional_as<bool>(j, "mlp_bias", false);
   } else if (c.architecture == "Qwen2ForCausalLM") {
     c.qkv_bias = true;  // Qwen2 configs carry no attention_bias: q/k/v always have one
-  } else if (qwen2_moe) {
+  } else if (family.qwen2_moe) {
     c.qkv_bias = optional_as<bool>(j, "qkv_bias", true);  // o_proj never has one
-  } else if (qwen3) {
+  } else if (family.qwen3) {
     c.qkv_bias = c.o_bias = attention_bias;
     c.qk_norm = true;
   }
+}
 
+// Mistral's and Mixtral's attention window; the other architectures have none.
+void read_sliding_window(const Json& j, LlamaConfig& c) {
   if (c.architecture == "MixtralForCausalLM") {
     // MixtralConfig: no window unless one is given.
     if (const auto it = j.find("sliding_window"); it != j.end() && !it->is_null()) {
@@ -283,7 +299,33 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   } else if (optional_as<bool>(j, "use_sliding_window", false)) {
     fail("use_sliding_window=true is not supported for " + c.architecture);
   }
-  if (c.architecture == "Qwen3MoeForCausalLM" || qwen2_moe || mixtral) c.moe = parse_moe(j, c);
+}
+
+}  // namespace
+
+// The steps run in a fixed order, so that a config with several problems always reports the
+// same one first.
+LlamaConfig LlamaConfig::from_json(const std::string& text) {
+  const Json j = parse_config_object(text);
+  LlamaConfig c;
+  c.source_json = text;
+  c.architecture = architecture_of(j, c.architectures);
+  if (!supported(c.architecture)) {
+    fail("unsupported architecture '" + c.architecture + "' (supported: " + kSupported + ")");
+  }
+  if (c.architectures.empty()) c.architectures = {c.architecture};
+  c.model_type = optional_as<std::string>(j, "model_type", "");
+  // The defaults of transformers' config class of each architecture (a key left out of
+  // config.json means that class's default, not one shared value).
+  const Family family = family_of(c.architecture);
+  read_sizes(j, family, c);
+  read_model_settings(j, family, c);
+  read_rope(j, c);
+  read_biases(j, family, c);
+  read_sliding_window(j, c);
+  if (c.architecture == "Qwen3MoeForCausalLM" || family.qwen2_moe || family.mixtral) {
+    c.moe = parse_moe(j, c);
+  }
   return c;
 }
 

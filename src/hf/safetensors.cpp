@@ -1,10 +1,9 @@
-// Safetensors reading (mmap, validated header) and atomic writing. See mdist/hf/safetensors.h.
+// Safetensors reading (mmap, validated header) and atomic writing, on the file helpers of
+// mdist/io. See mdist/hf/safetensors.h.
 #include "mdist/hf/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,9 +11,11 @@
 #include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <set>
 #include <utility>
+
+#include "mdist/io/atomic_file.h"
+#include "mdist/io/mapped_file.h"
 
 namespace mdist::hf {
 namespace {
@@ -127,65 +128,63 @@ c10::ScalarType dtype_from_name(const std::string& name) {
 // ---------------------------------------------------------------------------------------------
 // Reading
 
-struct SafetensorsFile::Mapping {
-  void* data = nullptr;
-  std::size_t size = 0;
-  Mapping() = default;
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
-  ~Mapping() {
-    if (data != nullptr) ::munmap(data, size);
+namespace {
+
+// Throws the SafetensorsError of a malformed or unreadable file, naming it.
+class FileProblem {
+ public:
+  explicit FileProblem(const fs::path& path) : path_(path) {}
+  [[noreturn]] void operator()(const std::string& problem) const {
+    throw SafetensorsError("mdist: safetensors file " + quote(path_.string()) + ": " + problem);
   }
+
+ private:
+  const fs::path& path_;
 };
 
-void SafetensorsFile::fail(const std::string& problem) const {
-  throw SafetensorsError("mdist: safetensors file " + quote(path_.string()) + ": " + problem);
+// Maps the file, which must be a regular file of at least the 8 bytes of the header length.
+std::shared_ptr<const io::MappedFile> map_safetensors_file(const fs::path& path,
+                                                           const FileProblem& fail) {
+  // Checked before opening: opening a FIFO would wait for a writer. A status that cannot be
+  // read (no such file, no permission) is left to open to report.
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (fs::exists(status) && !fs::is_regular_file(status)) fail("not a regular file");
+  std::shared_ptr<const io::MappedFile> mapping;
+  try {
+    mapping = std::make_shared<const io::MappedFile>(path);
+  } catch (const io::FileError& e) {
+    fail("cannot " + e.operation() + ": " + errno_text(e.error_number()));
+  }
+  if (mapping->size() < 8) {
+    fail("is " + std::to_string(mapping->size()) + " bytes, shorter than the 8-byte header length");
+  }
+  return mapping;
 }
 
-SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("cannot open: " + errno_text(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int error = errno;
-    ::close(fd);
-    fail("cannot stat: " + errno_text(error));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail("not a regular file");
-  }
-  const auto file_size = static_cast<std::uint64_t>(st.st_size);
-  if (file_size < 8) {
-    ::close(fd);
-    fail("is " + std::to_string(file_size) + " bytes, shorter than the 8-byte header length");
-  }
-  auto mapping = std::make_shared<Mapping>();
-  void* data = ::mmap(nullptr, static_cast<std::size_t>(file_size), PROT_READ, MAP_SHARED, fd, 0);
-  const int map_error = errno;
-  ::close(fd);
-  if (data == MAP_FAILED) fail("cannot mmap: " + errno_text(map_error));
-  mapping->data = data;
-  mapping->size = static_cast<std::size_t>(file_size);
-  mapping_ = mapping;
-
-  const auto* bytes = static_cast<const std::uint8_t*>(data);
+// The little-endian header length at the start of the file, checked against the limit and the
+// file's size.
+std::uint64_t header_length_of(const io::MappedFile& file, const FileProblem& fail) {
+  const std::uint8_t* bytes = file.data();
   std::uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | bytes[i];
   if (header_size > kMaxHeaderBytes) {
     fail("header length " + std::to_string(header_size) + " exceeds the limit of " +
          std::to_string(kMaxHeaderBytes) + " bytes");
   }
-  if (header_size > file_size - 8) {
+  const std::uint64_t after_length = file.size() - 8;
+  if (header_size > after_length) {
     fail("header length " + std::to_string(header_size) + " goes beyond the end of the file (" +
-         std::to_string(file_size - 8) + " bytes after the length)");
+         std::to_string(after_length) + " bytes after the length)");
   }
-  data_start_ = 8 + header_size;
-  const std::uint64_t data_size = file_size - data_start_;
+  return header_size;
+}
 
+// The header's JSON object (no duplicate keys).
+json parse_header(const io::MappedFile& file, std::uint64_t header_size, const FileProblem& fail) {
   json header;
   try {
-    const auto* text = reinterpret_cast<const char*>(bytes + 8);
+    const auto* text = reinterpret_cast<const char*>(file.data() + 8);
     header = parse_strict(text, text + header_size);
   } catch (const json::exception& e) {
     fail(std::string("header is not valid JSON: ") + e.what());
@@ -193,76 +192,96 @@ SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
     fail(std::string("header has a ") + e.what());
   }
   if (!header.is_object()) fail("header is not a JSON object");
+  return header;
+}
 
-  for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      if (!entry.is_object()) fail("\"__metadata__\" is not an object");
-      for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string()) {
-          fail("\"__metadata__\" value of " + quote(key) + " is not a string");
-        }
-        metadata_[key] = value.get<std::string>();
-      }
-      continue;
-    }
-    const std::string what = "tensor " + quote(name);
-    if (!entry.is_object()) fail(what + " is not an object");
-    const auto dtype_it = entry.find("dtype");
-    const auto shape_it = entry.find("shape");
-    const auto offsets_it = entry.find("data_offsets");
-    if (dtype_it == entry.end()) fail(what + " has no \"dtype\"");
-    if (shape_it == entry.end()) fail(what + " has no \"shape\"");
-    if (offsets_it == entry.end()) fail(what + " has no \"data_offsets\"");
-    if (!dtype_it->is_string()) fail(what + " \"dtype\" is not a string");
-    TensorInfo info{};
-    try {
-      info.dtype = dtype_from_name(dtype_it->get<std::string>());
-    } catch (const SafetensorsError&) {
-      fail(what + " has unknown dtype " + quote(dtype_it->get<std::string>()));
-    }
-    if (!shape_it->is_array()) fail(what + " \"shape\" is not an array");
-    // The byte size, and (so that libtorch accepts the shape even with a 0 dimension) the
-    // product of the non-zero dimensions times the element size, must fit in an int64.
-    std::uint64_t bytes_needed = element_size(info.dtype);
-    std::uint64_t nonzero_bytes = bytes_needed;
-    for (const auto& dim : *shape_it) {
-      if (dim.is_number_unsigned()) {
-        const auto value = dim.get<std::uint64_t>();
-        if (value != 0 && (__builtin_mul_overflow(nonzero_bytes, value, &nonzero_bytes) ||
-                           nonzero_bytes > static_cast<std::uint64_t>(INT64_MAX))) {
-          fail(what + " shape overflows");
-        }
-        bytes_needed *= value;  // cannot overflow: at most nonzero_bytes
-        info.shape.push_back(static_cast<std::int64_t>(value));
-      } else if (dim.is_number_integer()) {
-        fail(what + " has negative dimension " + dim.dump());
-      } else {
-        fail(what + " \"shape\" has a non-integer entry " + dim.dump());
-      }
-    }
-    if (!offsets_it->is_array() || offsets_it->size() != 2 ||
-        !(*offsets_it)[0].is_number_unsigned() || !(*offsets_it)[1].is_number_unsigned()) {
-      fail(what + " \"data_offsets\" is not [begin, end] with non-negative integers");
-    }
-    info.begin = (*offsets_it)[0].get<std::uint64_t>();
-    info.end = (*offsets_it)[1].get<std::uint64_t>();
-    const std::string range =
-        "[" + std::to_string(info.begin) + ", " + std::to_string(info.end) + ")";
-    if (info.begin > info.end) fail(what + " data_offsets " + range + " has begin > end");
-    if (info.end > data_size) {
-      fail(what + " data_offsets " + range + " go beyond the " + std::to_string(data_size) +
-           "-byte data buffer");
-    }
-    if (info.end - info.begin != bytes_needed) {
-      fail(what + " data_offsets " + range + " hold " + std::to_string(info.end - info.begin) +
-           " bytes, but its shape and dtype need " + std::to_string(bytes_needed));
-    }
-    tensors_.emplace(name, std::move(info));
+// The "__metadata__" entry: an object of strings.
+std::map<std::string, std::string> metadata_of(const json& entry, const FileProblem& fail) {
+  if (!entry.is_object()) fail("\"__metadata__\" is not an object");
+  std::map<std::string, std::string> metadata;
+  for (const auto& [key, value] : entry.items()) {
+    if (!value.is_string()) fail("\"__metadata__\" value of " + quote(key) + " is not a string");
+    metadata[key] = value.get<std::string>();
   }
+  return metadata;
+}
 
-  // No two non-empty ranges may overlap.
+// Reads "shape" into info.shape and returns the tensor's byte size. The byte size, and (so that
+// libtorch accepts the shape even with a 0 dimension) the product of the non-zero dimensions
+// times the element size, must fit in an int64.
+std::uint64_t read_shape(const std::string& what, const json& shape, TensorInfo& info,
+                         const FileProblem& fail) {
+  if (!shape.is_array()) fail(what + " \"shape\" is not an array");
+  std::uint64_t bytes_needed = element_size(info.dtype);
+  std::uint64_t nonzero_bytes = bytes_needed;
+  for (const auto& dim : shape) {
+    if (dim.is_number_unsigned()) {
+      const auto value = dim.get<std::uint64_t>();
+      if (value != 0 && (__builtin_mul_overflow(nonzero_bytes, value, &nonzero_bytes) ||
+                         nonzero_bytes > static_cast<std::uint64_t>(INT64_MAX))) {
+        fail(what + " shape overflows");
+      }
+      bytes_needed *= value;  // cannot overflow: at most nonzero_bytes
+      info.shape.push_back(static_cast<std::int64_t>(value));
+    } else if (dim.is_number_integer()) {
+      fail(what + " has negative dimension " + dim.dump());
+    } else {
+      fail(what + " \"shape\" has a non-integer entry " + dim.dump());
+    }
+  }
+  return bytes_needed;
+}
+
+// Reads "data_offsets" into info.begin and info.end: a range inside the data buffer holding
+// exactly the bytes the shape and dtype need.
+void read_data_offsets(const std::string& what, const json& offsets, std::uint64_t data_size,
+                       std::uint64_t bytes_needed, TensorInfo& info, const FileProblem& fail) {
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned()) {
+    fail(what + " \"data_offsets\" is not [begin, end] with non-negative integers");
+  }
+  info.begin = offsets[0].get<std::uint64_t>();
+  info.end = offsets[1].get<std::uint64_t>();
+  const std::string range =
+      "[" + std::to_string(info.begin) + ", " + std::to_string(info.end) + ")";
+  if (info.begin > info.end) fail(what + " data_offsets " + range + " has begin > end");
+  if (info.end > data_size) {
+    fail(what + " data_offsets " + range + " go beyond the " + std::to_string(data_size) +
+         "-byte data buffer");
+  }
+  if (info.end - info.begin != bytes_needed) {
+    fail(what + " data_offsets " + range + " hold " + std::to_string(info.end - info.begin) +
+         " bytes, but its shape and dtype need " + std::to_string(bytes_needed));
+  }
+}
+
+// One tensor's header entry, validated against the data buffer of `data_size` bytes.
+TensorInfo tensor_info_of(const std::string& name, const json& entry, std::uint64_t data_size,
+                          const FileProblem& fail) {
+  const std::string what = "tensor " + quote(name);
+  if (!entry.is_object()) fail(what + " is not an object");
+  const auto dtype_it = entry.find("dtype");
+  const auto shape_it = entry.find("shape");
+  const auto offsets_it = entry.find("data_offsets");
+  if (dtype_it == entry.end()) fail(what + " has no \"dtype\"");
+  if (shape_it == entry.end()) fail(what + " has no \"shape\"");
+  if (offsets_it == entry.end()) fail(what + " has no \"data_offsets\"");
+  if (!dtype_it->is_string()) fail(what + " \"dtype\" is not a string");
+  TensorInfo info{};
+  try {
+    info.dtype = dtype_from_name(dtype_it->get<std::string>());
+  } catch (const SafetensorsError&) {
+    fail(what + " has unknown dtype " + quote(dtype_it->get<std::string>()));
+  }
+  const std::uint64_t bytes_needed = read_shape(what, *shape_it, info, fail);
+  read_data_offsets(what, *offsets_it, data_size, bytes_needed, info, fail);
+  return info;
+}
+
+// No two non-empty byte ranges may overlap.
+void check_no_overlaps(const std::map<std::string, TensorInfo>& tensors, const FileProblem& fail) {
   std::vector<std::pair<const std::string*, const TensorInfo*>> by_offset;
-  for (const auto& [name, info] : tensors_) {
+  for (const auto& [name, info] : tensors) {
     if (info.end > info.begin) by_offset.emplace_back(&name, &info);
   }
   std::sort(by_offset.begin(), by_offset.end(),
@@ -273,6 +292,27 @@ SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
            quote(*by_offset[i - 1].first));
     }
   }
+}
+
+}  // namespace
+
+void SafetensorsFile::fail(const std::string& problem) const { FileProblem{path_}(problem); }
+
+SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
+  const FileProblem fail(path_);
+  mapping_ = map_safetensors_file(path_, fail);
+  const std::uint64_t header_size = header_length_of(*mapping_, fail);
+  data_start_ = 8 + header_size;
+  const std::uint64_t data_size = mapping_->size() - data_start_;
+  const json header = parse_header(*mapping_, header_size, fail);
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") {
+      metadata_ = metadata_of(entry, fail);
+    } else {
+      tensors_.emplace(name, tensor_info_of(name, entry, data_size, fail));
+    }
+  }
+  check_no_overlaps(tensors_, fail);
 }
 
 std::vector<std::string> SafetensorsFile::names() const {
@@ -288,11 +328,11 @@ const TensorInfo& SafetensorsFile::info(const std::string& name) const {
   return it->second;
 }
 
-const void* SafetensorsFile::mapping_data() const { return mapping_->data; }
-std::size_t SafetensorsFile::mapping_size() const { return mapping_->size; }
+const void* SafetensorsFile::mapping_data() const { return mapping_->data(); }
+std::size_t SafetensorsFile::mapping_size() const { return mapping_->size(); }
 
 const std::uint8_t* SafetensorsFile::data_of(const TensorInfo& info) const {
-  return static_cast<const std::uint8_t*>(mapping_->data) + data_start_ + info.begin;
+  return mapping_->data() + data_start_ + info.begin;
 }
 
 at::Tensor SafetensorsFile::tensor(const std::string& name) const {
@@ -302,7 +342,7 @@ at::Tensor SafetensorsFile::tensor(const std::string& name) const {
   const std::size_t bytes = meta.end - meta.begin;
   if (bytes == 0) return at::empty(meta.shape, options);
   if (reinterpret_cast<std::uintptr_t>(source) % element_size(meta.dtype) == 0) {
-    std::shared_ptr<const Mapping> keep = mapping_;
+    std::shared_ptr<const io::MappedFile> keep = mapping_;
     return at::from_blob(
         const_cast<std::uint8_t*>(source), meta.shape, [keep](void*) mutable { keep.reset(); },
         options);
@@ -339,19 +379,10 @@ at::Tensor SafetensorsFile::read_rows(const std::string& name, std::int64_t firs
 
 void SafetensorsFile::release_pages(const std::string& name) const {
   const TensorInfo& meta = info(name);
-  if (meta.end == meta.begin) return;
-  static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto base = reinterpret_cast<std::uintptr_t>(mapping_->data);
-  const auto first = reinterpret_cast<std::uintptr_t>(data_of(meta));
   // Whole pages, even those shared with a neighbouring tensor: dropping a page only means
   // reading it again from the page cache.
-  const std::uintptr_t begin = first / page * page;
-  const std::uintptr_t end =
-      std::min(base + mapping_->size, (first + (meta.end - meta.begin) + page - 1) / page * page);
-  if (end > begin) {
-    // Advice only: a failure leaves the pages resident, which is harmless.
-    ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
-  }
+  mapping_->release(static_cast<std::size_t>(data_start_ + meta.begin),
+                    static_cast<std::size_t>(meta.end - meta.begin));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -445,74 +476,21 @@ at::Tensor SafetensorsCheckpoint::read_rows(const std::string& name, std::int64_
 
 namespace {
 
-// A file written under a temporary name in its final directory; removed on destruction unless
-// committed (renamed).
-class TempFile {
- public:
-  explicit TempFile(fs::path final_path) : final_(std::move(final_path)) {
-    std::random_device random;
-    const fs::path dir = final_.has_parent_path() ? final_.parent_path() : fs::path(".");
-    temp_ = dir / ("." + final_.filename().string() + ".tmp." + std::to_string(::getpid()) + "." +
-                   std::to_string(random()));
-    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail("cannot create temporary file " + quote(temp_.string()), errno);
+// The file helpers' failures as this module's error, with the same message ("mdist: cannot
+// rename ..."), for callers that catch SafetensorsError.
+template <typename Write>
+void with_safetensors_errors(const Write& write) {
+  try {
+    write();
+  } catch (const io::FileError& e) {
+    throw SafetensorsError(e.what());
   }
-  TempFile(const TempFile&) = delete;
-  TempFile& operator=(const TempFile&) = delete;
-  ~TempFile() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!renamed_) ::unlink(temp_.c_str());
-  }
-
-  void write(const void* data, std::size_t size) {
-    const auto* bytes = static_cast<const char*>(data);
-    while (size > 0) {
-      const ssize_t wrote = ::write(fd_, bytes, size);
-      if (wrote < 0 && errno == EINTR) continue;
-      if (wrote < 0) fail("cannot write " + quote(temp_.string()), errno);
-      bytes += wrote;
-      size -= static_cast<std::size_t>(wrote);
-    }
-  }
-  // fsync and close; the data is durable under the temporary name.
-  void finish() {
-    if (::fsync(fd_) != 0) fail("cannot fsync " + quote(temp_.string()), errno);
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) fail("cannot close " + quote(temp_.string()), errno);
-  }
-  void commit() {
-    if (::rename(temp_.c_str(), final_.c_str()) != 0) {
-      fail("cannot rename " + quote(temp_.string()) + " to " + quote(final_.string()), errno);
-    }
-    renamed_ = true;
-  }
-
- private:
-  [[noreturn]] static void fail(const std::string& what, int error) {
-    throw SafetensorsError("mdist: " + what + ": " + errno_text(error));
-  }
-  fs::path final_;
-  fs::path temp_;
-  int fd_ = -1;
-  bool renamed_ = false;
-};
-
-void fsync_dir(const fs::path& dir) {
-  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;  // best effort: the renames are done
-  ::fsync(fd);
-  ::close(fd);
 }
 
 }  // namespace
 
 void write_file_atomically(const fs::path& path, std::string_view contents) {
-  TempFile file(path);
-  file.write(contents.data(), contents.size());
-  file.finish();
-  file.commit();
-  fsync_dir(path.has_parent_path() ? path.parent_path() : fs::path("."));
+  with_safetensors_errors([&] { io::write_file_atomically(path, contents); });
 }
 
 namespace {
@@ -540,10 +518,11 @@ at::Tensor prepare_tensor(const fs::path& path, const std::string& name, const a
   return t.detach().to(at::kCPU).contiguous();
 }
 
-// Writes one file of `tensors` (already prepared) to a TempFile; returns it unrenamed.
-std::unique_ptr<TempFile> write_file(const fs::path& path,
-                                     std::vector<std::pair<std::string, at::Tensor>> tensors,
-                                     const std::map<std::string, std::string>& metadata) {
+// Writes one file of `tensors` (already prepared) under a temporary name; returns it finished
+// (fsynced), not yet committed.
+std::unique_ptr<io::AtomicFile> write_file(const fs::path& path,
+                                           std::vector<std::pair<std::string, at::Tensor>> tensors,
+                                           const std::map<std::string, std::string>& metadata) {
   std::stable_sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) {
     const auto sa = a.second.element_size();
     const auto sb = b.second.element_size();
@@ -571,7 +550,7 @@ std::unique_ptr<TempFile> write_file(const fs::path& path,
   std::array<std::uint8_t, 8> length{};
   for (std::size_t i = 0; i < 8; ++i) length[i] = static_cast<std::uint8_t>(text.size() >> (8 * i));
 
-  auto file = std::make_unique<TempFile>(path);
+  auto file = std::make_unique<io::AtomicFile>(path);
   file->write(length.data(), length.size());
   file->write(text.data(), text.size());
   for (const auto& [name, t] : tensors) file->write(t.data_ptr(), t.nbytes());
@@ -585,10 +564,39 @@ void save_safetensors(const fs::path& path, const std::map<std::string, at::Tens
                       const std::map<std::string, std::string>& metadata) {
   std::vector<std::pair<std::string, at::Tensor>> prepared;
   for (const auto& [name, t] : tensors) prepared.emplace_back(name, prepare_tensor(path, name, t));
-  auto file = write_file(path, std::move(prepared), metadata);
-  file->commit();
-  fsync_dir(path.parent_path());
+  with_safetensors_errors([&] { write_file(path, std::move(prepared), metadata)->commit(); });
 }
+
+namespace {
+
+// The shards of a sharded checkpoint and their index, all written and fsynced under temporary
+// names before any is renamed, the index last: a crash leaves either the old checkpoint's index
+// or the new one, whose shards are all in place.
+void write_sharded(const fs::path& dir,
+                   std::vector<std::vector<std::pair<std::string, at::Tensor>>> shards,
+                   std::uint64_t total, const std::map<std::string, std::string>& metadata) {
+  const std::size_t count = shards.size();
+  const auto shard_name = [count](std::size_t i) {
+    char buffer[64];
+    std::snprintf(buffer, sizeof(buffer), "model-%05zu-of-%05zu.safetensors", i + 1, count);
+    return std::string(buffer);
+  };
+  std::vector<std::unique_ptr<io::AtomicFile>> files;
+  json weight_map = json::object();
+  for (std::size_t i = 0; i < count; ++i) {
+    for (const auto& entry : shards[i]) weight_map[entry.first] = shard_name(i);
+    files.push_back(write_file(dir / shard_name(i), std::move(shards[i]), metadata));
+  }
+  const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+  io::AtomicFile index_file(dir / kIndexFile);
+  index_file.write(index.dump(2, ' ', false, json::error_handler_t::strict) + "\n");
+  index_file.finish();
+
+  for (auto& file : files) file->commit();
+  index_file.commit();
+}
+
+}  // namespace
 
 void save_checkpoint(const fs::path& dir, const std::map<std::string, at::Tensor>& tensors,
                      std::uint64_t max_shard_bytes) {
@@ -618,36 +626,16 @@ void save_checkpoint(const fs::path& dir, const std::map<std::string, at::Tensor
     total += bytes;
   }
 
-  if (shards.size() == 1) {
-    auto file = write_file(dir / kSingleFile, std::move(shards[0]), metadata);
-    file->commit();
-    fs::remove(dir / kIndexFile, ec);  // a stale index of an earlier sharded save
-    fsync_dir(dir);
-    return;
-  }
-
-  const std::size_t count = shards.size();
-  const auto shard_name = [count](std::size_t i) {
-    char buffer[64];
-    std::snprintf(buffer, sizeof(buffer), "model-%05zu-of-%05zu.safetensors", i + 1, count);
-    return std::string(buffer);
-  };
-  std::vector<std::unique_ptr<TempFile>> files;
-  json weight_map = json::object();
-  for (std::size_t i = 0; i < count; ++i) {
-    for (const auto& entry : shards[i]) weight_map[entry.first] = shard_name(i);
-    files.push_back(write_file(dir / shard_name(i), std::move(shards[i]), metadata));
-  }
-  const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-  const std::string text = index.dump(2, ' ', false, json::error_handler_t::strict) + "\n";
-  auto index_file = std::make_unique<TempFile>(dir / kIndexFile);
-  index_file->write(text.data(), text.size());
-  index_file->finish();
-
-  for (auto& file : files) file->commit();
-  index_file->commit();
-  fs::remove(dir / kSingleFile, ec);  // a stale single file would shadow the index
-  fsync_dir(dir);
+  with_safetensors_errors([&] {
+    if (shards.size() == 1) {
+      write_file(dir / kSingleFile, std::move(shards[0]), metadata)->commit();
+      fs::remove(dir / kIndexFile, ec);  // a stale index of an earlier sharded save
+    } else {
+      write_sharded(dir, std::move(shards), total, metadata);
+      fs::remove(dir / kSingleFile, ec);  // a stale single file would shadow the index
+    }
+    io::sync_directory(dir);  // the removal
+  });
 }
 
 }  // namespace mdist::hf

@@ -6,6 +6,8 @@
 #include <memory>
 #include <string_view>
 #include <system_error>
+#include <utility>
+#include <vector>
 
 namespace mdist::launcher {
 namespace {
@@ -52,12 +54,9 @@ EarlyExit usage_error(const std::string& message) {
                    .to_stderr = true};
 }
 
-}  // namespace
-
-ParseResult parse_command_line(std::span<const std::string> args) {
-  CLI::App app{std::string(kDescription), "mdistrun"};
-  app.formatter(std::make_shared<UsageFormatter>());
-  // Values are read as strings and validated below so every error is one precise line.
+// The flags' values as given. They are read as strings and validated afterwards, so that
+// every error is one precise line.
+struct FlagText {
   std::string nproc = "1";
   std::string nnodes = "1";
   std::string node_rank = "0";
@@ -66,27 +65,106 @@ ParseResult parse_command_line(std::span<const std::string> args) {
   std::string kill_timeout = "3";
   std::string max_restarts = "0";
   bool ignored_flag = false;
+};
 
+void add_flags(CLI::App& app, FlagText& text) {
   const auto take_last = CLI::MultiOptionPolicy::TakeLast;  // argparse semantics: last one wins
   const auto add = [&](const char* names, std::string& value, const char* type, const char* help) {
     app.add_option(names, value, help)->type_name(type)->multi_option_policy(take_last);
   };
-  add("--nproc-per-node,--nproc_per_node", nproc, "N", "Ranks on this node (default 1)");
-  add("--nnodes", nnodes, "M", "Number of nodes (default 1)");
-  add("--node-rank,--node_rank", node_rank, "R", "This node's rank in [0, M) (default 0)");
-  add("--master-addr,--master_addr", master_addr, "ADDR",
+  add("--nproc-per-node,--nproc_per_node", text.nproc, "N", "Ranks on this node (default 1)");
+  add("--nnodes", text.nnodes, "M", "Number of nodes (default 1)");
+  add("--node-rank,--node_rank", text.node_rank, "R", "This node's rank in [0, M) (default 0)");
+  add("--master-addr,--master_addr", text.master_addr, "ADDR",
       "Address of node 0, where rank 0's store listens (default 127.0.0.1)");
-  add("--master-port,--master_port", master_port, "PORT",
+  add("--master-port,--master_port", text.master_port, "PORT",
       "Port of the store; unset or 0: any free port (single node only)");
-  add("--kill-timeout,--kill_timeout", kill_timeout, "SECONDS",
+  add("--kill-timeout,--kill_timeout", text.kill_timeout, "SECONDS",
       "Grace period between SIGTERM and SIGKILL when stopping ranks (default 3)");
-  add("--max-restarts,--max_restarts", max_restarts, "N",
+  add("--max-restarts,--max_restarts", text.max_restarts, "N",
       "After a rank fails, stop every rank and start them all again, up to N times (default 0)");
-  app.add_flag("--standalone", ignored_flag, "Accepted for torchrun compatibility (no effect)");
-  app.add_flag("--no-python,--no_python", ignored_flag,
+  app.add_flag("--standalone", text.ignored_flag,
+               "Accepted for torchrun compatibility (no effect)");
+  app.add_flag("--no-python,--no_python", text.ignored_flag,
                "Accepted for torchrun compatibility (no effect)");
   // Stop at the first non-option: PROGRAM and everything after it land in remaining().
   app.prefix_command();
+}
+
+// PROGRAM and its arguments from what CLI11 left; a usage error when there is none.
+std::optional<EarlyExit> take_command(std::vector<std::string> remaining, LaunchOptions& options) {
+  options.command = std::move(remaining);
+  if (!options.command.empty() && options.command.front() == "--") {
+    options.command.erase(options.command.begin());
+  } else if (!options.command.empty() && options.command.front().starts_with('-')) {
+    // prefix_command() hands unknown options over as if they were PROGRAM; reject them instead.
+    return usage_error("unknown option '" + options.command.front() + "'");
+  }
+  if (options.command.empty()) return usage_error("missing PROGRAM to run");
+  return std::nullopt;
+}
+
+// --nproc-per-node, --nnodes, --node-rank: a world size that fits an int. Throws BadValue.
+void read_layout(const FlagText& text, LaunchOptions& options) {
+  const int int_max = std::numeric_limits<int>::max();
+  options.nproc_per_node =
+      parse_int_in_range("--nproc-per-node", text.nproc, 1, int_max, "an integer >= 1");
+  options.nnodes = parse_int_in_range("--nnodes", text.nnodes, 1, int_max, "an integer >= 1");
+  options.node_rank =
+      parse_int_in_range("--node-rank", text.node_rank, 0, int_max, "an integer in [0, nnodes)");
+  if (options.node_rank >= options.nnodes) {
+    throw BadValue{"--node-rank must be in [0, " + std::to_string(options.nnodes) + "), got " +
+                   text.node_rank};
+  }
+  // The world size must fit the int that RANK/WORLD_SIZE consumers parse into.
+  if (static_cast<long long>(options.nproc_per_node) * options.nnodes > int_max) {
+    throw BadValue{"--nnodes * --nproc-per-node is too large"};
+  }
+}
+
+// --master-port and --master-addr. Throws BadValue.
+void read_rendezvous(const CLI::App& app, const FlagText& text, LaunchOptions& options) {
+  options.master_port_given = app.count("--master-port") > 0;
+  if (options.master_port_given) {
+    options.master_port =
+        parse_int_in_range("--master-port", text.master_port, 0, 65535, "an integer in 0..65535");
+  }
+  // Other nodes cannot learn a kernel-chosen port, so multi-node jobs must name one.
+  if (options.nnodes > 1 && options.master_port == 0) {
+    throw BadValue{"--master-port (non-zero) is required when --nnodes > 1"};
+  }
+  if (text.master_addr.empty()) throw BadValue{"--master-addr must not be empty"};
+  options.master_addr = text.master_addr;
+  options.master_addr_given = app.count("--master-addr") > 0;
+}
+
+// --kill-timeout and --max-restarts. Throws BadValue.
+void read_stopping(const FlagText& text, LaunchOptions& options) {
+  const std::optional<double> timeout = parse_number<double>(text.kill_timeout);
+  // A day is far more than any graceful shutdown needs, and keeps the value finite.
+  constexpr double kMaxKillTimeout = 24 * 60 * 60;
+  if (!timeout || !(*timeout >= 0 && *timeout <= kMaxKillTimeout)) {
+    throw BadValue{"--kill-timeout must be a number of seconds in [0, 86400], got '" +
+                   text.kill_timeout + "'"};
+  }
+  options.kill_timeout_s = *timeout;
+  options.max_restarts =
+      parse_int_in_range("--max-restarts", text.max_restarts, 0, 1000000, "an integer >= 0");
+  // Nodes would have to agree on each restart (torchrun's agents rendezvous for it).
+  if (options.max_restarts > 0 && options.nnodes > 1) {
+    throw BadValue{
+        "--max-restarts needs a single node (--nnodes 1): restarting several nodes "
+        "together needs an agent rendezvous mdistrun does not have"};
+  }
+}
+
+}  // namespace
+
+ParseResult parse_command_line(std::span<const std::string> args) {
+  CLI::App app{std::string(kDescription), "mdistrun"};
+  app.formatter(std::make_shared<UsageFormatter>());
+  FlagText text;
+  add_flags(app, text);
 
   std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 consumes from the back
   try {
@@ -98,58 +176,12 @@ ParseResult parse_command_line(std::span<const std::string> args) {
   }
 
   LaunchOptions options;
-  options.command = app.remaining();
-  if (!options.command.empty() && options.command.front() == "--") {
-    options.command.erase(options.command.begin());
-  } else if (!options.command.empty() && options.command.front().starts_with('-')) {
-    // prefix_command() hands unknown options over as if they were PROGRAM; reject them instead.
-    return usage_error("unknown option '" + options.command.front() + "'");
-  }
-  if (options.command.empty()) return usage_error("missing PROGRAM to run");
-
+  if (auto exit = take_command(app.remaining(), options)) return *exit;
+  // In a fixed order, so that a command line with several bad values always reports the same one.
   try {
-    const int int_max = std::numeric_limits<int>::max();
-    options.nproc_per_node =
-        parse_int_in_range("--nproc-per-node", nproc, 1, int_max, "an integer >= 1");
-    options.nnodes = parse_int_in_range("--nnodes", nnodes, 1, int_max, "an integer >= 1");
-    options.node_rank =
-        parse_int_in_range("--node-rank", node_rank, 0, int_max, "an integer in [0, nnodes)");
-    if (options.node_rank >= options.nnodes) {
-      throw BadValue{"--node-rank must be in [0, " + std::to_string(options.nnodes) + "), got " +
-                     node_rank};
-    }
-    // The world size must fit the int that RANK/WORLD_SIZE consumers parse into.
-    if (static_cast<long long>(options.nproc_per_node) * options.nnodes > int_max) {
-      throw BadValue{"--nnodes * --nproc-per-node is too large"};
-    }
-    options.master_port_given = app.count("--master-port") > 0;
-    if (options.master_port_given) {
-      options.master_port =
-          parse_int_in_range("--master-port", master_port, 0, 65535, "an integer in 0..65535");
-    }
-    // Other nodes cannot learn a kernel-chosen port, so multi-node jobs must name one.
-    if (options.nnodes > 1 && options.master_port == 0) {
-      throw BadValue{"--master-port (non-zero) is required when --nnodes > 1"};
-    }
-    if (master_addr.empty()) throw BadValue{"--master-addr must not be empty"};
-    options.master_addr = master_addr;
-    options.master_addr_given = app.count("--master-addr") > 0;
-    const std::optional<double> timeout = parse_number<double>(kill_timeout);
-    // A day is far more than any graceful shutdown needs, and keeps the value finite.
-    constexpr double kMaxKillTimeout = 24 * 60 * 60;
-    if (!timeout || !(*timeout >= 0 && *timeout <= kMaxKillTimeout)) {
-      throw BadValue{"--kill-timeout must be a number of seconds in [0, 86400], got '" +
-                     kill_timeout + "'"};
-    }
-    options.kill_timeout_s = *timeout;
-    options.max_restarts =
-        parse_int_in_range("--max-restarts", max_restarts, 0, 1000000, "an integer >= 0");
-    // Nodes would have to agree on each restart (torchrun's agents rendezvous for it).
-    if (options.max_restarts > 0 && options.nnodes > 1) {
-      throw BadValue{
-          "--max-restarts needs a single node (--nnodes 1): restarting several nodes "
-          "together needs an agent rendezvous mdistrun does not have"};
-    }
+    read_layout(text, options);
+    read_rendezvous(app, text, options);
+    read_stopping(text, options);
   } catch (const BadValue& bad) {
     return usage_error(bad.message);
   }

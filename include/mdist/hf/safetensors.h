@@ -28,6 +28,10 @@
 
 #include "mdist/error.h"
 
+namespace mdist::io {
+class MappedFile;
+}  // namespace mdist::io
+
 namespace mdist::hf {
 
 // A safetensors file or checkpoint is malformed, missing, or cannot be written.
@@ -80,12 +84,11 @@ class SafetensorsFile {
   std::size_t mapping_size() const;
 
  private:
-  struct Mapping;
   [[noreturn]] void fail(const std::string& problem) const;
   const std::uint8_t* data_of(const TensorInfo& info) const;
 
   std::filesystem::path path_;
-  std::shared_ptr<const Mapping> mapping_;
+  std::shared_ptr<const io::MappedFile> mapping_;
   std::uint64_t data_start_ = 0;  // file offset of the data buffer
   std::map<std::string, TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
@@ -117,11 +120,11 @@ class SafetensorsCheckpoint {
   std::map<std::string, std::size_t> owner_;  // name -> index into files_
 };
 
-// Writes one safetensors file atomically: a temporary file in the same directory is written,
-// fsynced and renamed over `path`, so `path` never holds a partial file. Tensors are written
-// contiguous, from CPU, in descending order of element size then by name, packed without gaps
-// (as the official library requires), with the data buffer starting 8-byte aligned (header
-// padded with spaces); so every tensor is aligned to its element size.
+// Writes one safetensors file atomically (mdist/io/atomic_file.h): a temporary file in the same
+// directory is written, fsynced and renamed over `path`, so `path` never holds a partial file.
+// Tensors are written contiguous, from CPU, in descending order of element size then by name,
+// packed without gaps (as the official library requires), with the data buffer starting 8-byte
+// aligned (header padded with spaces); so every tensor is aligned to its element size.
 void save_safetensors(const std::filesystem::path& path,
                       const std::map<std::string, at::Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
@@ -137,7 +140,9 @@ void save_checkpoint(const std::filesystem::path& dir,
                      std::uint64_t max_shard_bytes);
 
 // Writes `contents` to `path` through a fsynced temporary file and a rename: `path` holds the
-// old file or the whole new one, never a part.
+// old file or the whole new one, never a part. mdist::io::write_file_atomically (the same, in
+// mdist/io/atomic_file.h) with its failures thrown as SafetensorsError, for the callers that
+// catch that.
 void write_file_atomically(const std::filesystem::path& path, std::string_view contents);
 
 // The safetensors name of a dtype ("F32", ...) and back; throw SafetensorsError if unsupported.
