@@ -31,6 +31,7 @@
 
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/safetensors.h"
+#include "mdist/io/atomic_file.h"
 #include "mdist/nn/hooks.h"
 #include "mdist/objects/codec.h"
 #include "mdist/runtime/runtime.h"
@@ -356,7 +357,7 @@ int run_calibrate(const CalibrateOptions& o) {
       result["expert_tokens"] = routed;
     }
     if (o.out.has_parent_path()) std::filesystem::create_directories(o.out.parent_path());
-    hf::write_file_atomically(o.out, result.dump(2) + "\n");
+    io::write_file_atomically(o.out, result.dump(2) + "\n");
     say("mdist calibrate: wrote " + o.out.string());
   }
   barrier();

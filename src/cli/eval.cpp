@@ -7,6 +7,7 @@
 
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
+#include "mdist/io/atomic_file.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 #include "mdist/tp/cross_entropy.h"
@@ -60,7 +61,7 @@ int run_eval(const EvalOptions& o) {
         {"model", choice.description}, {"data", data.description}, {"seq_len", T},
         {"tokens", total_tokens},      {"loss_sum", total_loss},   {"loss", mean},
         {"perplexity", perplexity}};
-    hf::write_file_atomically(*o.out, result.dump(2) + "\n");
+    io::write_file_atomically(*o.out, result.dump(2) + "\n");
   }
   return 0;
 }

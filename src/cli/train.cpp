@@ -10,7 +10,7 @@
 #include <set>
 #include <sstream>
 
-#include "mdist/hf/safetensors.h"
+#include "mdist/io/atomic_file.h"
 #include "mdist/runtime/runtime.h"
 #include "mdist/train/checkpoint.h"
 #include "mdist/train/metrics.h"
@@ -303,7 +303,7 @@ void finish(const TrainOptions& o, const TrainInputs& in, const train::Trainer& 
             train::MetricsWriter& metrics) {
   metrics.close();
   const auto points = train::metric_points(metrics.path(), "loss");
-  hf::write_file_atomically(o.out / "loss.svg",
+  io::write_file_atomically(o.out / "loss.svg",
                             loss_curve_svg(points, "mdist train: " + in.data.description,
                                            train::metric_points(metrics.path(), "eval_loss")));
   const int skipped = trainer.state().skipped_steps;

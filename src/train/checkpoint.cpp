@@ -22,6 +22,7 @@
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
+#include "mdist/io/atomic_file.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 
@@ -379,6 +380,7 @@ void replace_directory(const fs::path& from, const fs::path& to) {
   fs::remove_all(old, ec);
   if (fs::exists(to)) fs::rename(to, old);
   fs::rename(from, to);
+  io::sync_directory(to.parent_path());  // the new step directory survives a power loss
   fs::remove_all(old, ec);
 }
 
@@ -474,13 +476,20 @@ void save_training_checkpoint(const fs::path& run_dir, hf::CausalLM& model,
           {"cpu_rng_state", cpu_rng_state()},
           {"skipped_steps", state.skipped_steps},
       };
-      hf::write_file_atomically(tmp / "trainer_state.json", trainer.dump(2) + "\n");
-      for (const auto& file : carried) fs::copy_file(file, tmp / file.filename());
+      io::write_file_atomically(tmp / "trainer_state.json", trainer.dump(2) + "\n");
+      // Written through io (fsynced) like every other file of the checkpoint, so that a
+      // checkpoint that looks complete after a power loss holds whole tokenizer files too.
+      for (const auto& file : carried) {
+        std::ifstream in(file, std::ios::binary);
+        const std::string bytes((std::istreambuf_iterator<char>(in)), {});
+        if (!in && !in.eof()) throw Error("cannot read '" + file.string() + "'");
+        io::write_file_atomically(tmp / file.filename(), bytes);
+      }
     });
   agree();  // every rank's files are complete
   if (rank() == 0) {
     replace_directory(tmp, dir / name);
-    hf::write_file_atomically(dir / "latest", name + "\n");
+    io::write_file_atomically(dir / "latest", name + "\n");
     prune(dir, name, keep);
   }
   barrier();

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <string>
 
-#include "mdist/hf/safetensors.h"
+#include "mdist/io/atomic_file.h"
 
 namespace mdist::train {
 namespace {
@@ -31,7 +31,7 @@ std::string lines_up_to(const fs::path& path, int step) {
 
 MetricsWriter::MetricsWriter(fs::path path, std::optional<int> keep_up_to)
     : path_(std::move(path)) {
-  hf::write_file_atomically(path_, keep_up_to ? lines_up_to(path_, *keep_up_to) : std::string());
+  io::write_file_atomically(path_, keep_up_to ? lines_up_to(path_, *keep_up_to) : std::string());
   out_.open(path_, std::ios::app);
 }
 
