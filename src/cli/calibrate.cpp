@@ -160,157 +160,175 @@ nlohmann::ordered_json optional_json(const std::optional<double>& value) {
   return value ? nlohmann::ordered_json(*value) : nlohmann::ordered_json(nullptr);
 }
 
-}  // namespace
+// Records every Linear's input and weight maxima (and a mixture of experts' routing) through
+// forward hooks on the model, for as long as it lives.
+class AmaxRecorder {
+ public:
+  explicit AmaxRecorder(hf::CausalLM& model) : model_(model) {
+    hook_experts();
+    hook_linears();
+    hook_tied_head();
+  }
+  ~AmaxRecorder() {
+    for (auto& hook : hooks_) hook.remove();
+  }
+  AmaxRecorder(const AmaxRecorder&) = delete;
+  AmaxRecorder& operator=(const AmaxRecorder&) = delete;
 
-int run_calibrate(const CalibrateOptions& o) {
-  const Session session(setup_options(o.io.timeout_s));
-  configure_threads();
+  // false during a padding forward (this rank has no sequence left while others do).
+  void set_recording(bool recording) { recording_ = recording; }
+  AbsMax& stats() { return stats_; }
+  const std::set<std::string>& experts_modules() const { return experts_modules_; }
+  std::map<std::string, std::vector<int64_t>>& expert_tokens() { return expert_tokens_; }
+
+ private:
+  // Routed experts: tokens per expert counted where they are routed (each rank its own
+  // sequences: the same counts whatever the layout), and every held expert's weight maxima
+  // taken once, with the experts' FSDP unit gathered (its pre-hook, registered first, has run).
+  void hook_experts() {
+    for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
+      auto* experts = dynamic_cast<hf::ExpertsImpl*>(item.value().get());
+      if (experts == nullptr) continue;
+      const std::string prefix = item.key();
+      expert_tokens_[prefix].assign(static_cast<std::size_t>(experts->num_experts), 0);
+      experts_modules_.insert(prefix);
+      hooks_.push_back(nn::register_forward_pre_hook(
+          *experts, [this, prefix, experts](torch::nn::Module&, nn::TensorRefs& inputs) {
+            on_experts_input(prefix, *experts, inputs);
+          }));
+      hooks_.push_back(nn::register_forward_hook(
+          *experts, [this, prefix](torch::nn::Module&, nn::TensorRefs& outputs) {
+            if (recording_ || outputs.empty()) return;
+            at::Tensor& out = *outputs.front();
+            out = at::zeros({rows_of_dummy_.at(prefix), out.size(1)}, out.options());
+          }));
+    }
+  }
+
+  void on_experts_input(const std::string& prefix, hf::ExpertsImpl& experts,
+                        nn::TensorRefs& inputs) {
+    if (!weights_taken_.contains(prefix)) {
+      weights_taken_.insert(prefix);
+      for (const auto& sub : experts.named_modules("", /*include_self=*/false)) {
+        const auto* linear = dynamic_cast<torch::nn::LinearImpl*>(sub.value().get());
+        if (linear == nullptr) continue;
+        raise_to(stats_[prefix + "." + sub.key()].weight,
+                 linear->weight.abs().max().item<double>());
+      }
+    }
+    // inputs: tokens [N, hidden], chosen and weights [N, top_k].
+    if (recording_) {
+      const at::Tensor counts = at::bincount(inputs[1]->flatten().cpu(), {}, experts.num_experts);
+      auto& total = expert_tokens_[prefix];
+      for (int64_t e = 0; e < experts.num_experts; ++e) {
+        total[static_cast<std::size_t>(e)] += counts[e].item<int64_t>();
+      }
+      return;
+    }
+    // A padding forward still runs every collective, but routes no token: the experts' ranks
+    // must not record the padding's tokens as calibration data. Its output is replaced by
+    // zeros (the forward hook).
+    rows_of_dummy_[prefix] = inputs[0]->size(0);
+    for (auto* tensor : inputs) *tensor = tensor->narrow(0, 0, 0);
+  }
+
+  void hook_linears() {
+    for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
+      auto* linear = dynamic_cast<torch::nn::LinearImpl*>(item.value().get());
+      if (linear == nullptr) continue;
+      stats_[item.key()] = {};
+      // Rows reach a routed expert from the ranks of its expert-parallel group, also while
+      // this rank runs a padding forward: they are real (a padding forward sends none), so
+      // recorded.
+      const std::string expert = item.key().substr(0, item.key().rfind('.'));
+      const bool routed = experts_modules_.contains(expert.substr(0, expert.rfind('.')));
+      // A pre-hook: the module's weight is whole here (its FSDP unit has gathered it). An
+      // empty input (no token chose this expert) has no max.
+      hooks_.push_back(nn::register_forward_pre_hook(
+          *linear,
+          [this, routed, name = item.key()](torch::nn::Module& module, nn::TensorRefs& inputs) {
+            if (!(recording_ || routed) || inputs.empty() || inputs.front()->numel() == 0) return;
+            auto& slot = stats_[name];
+            raise_to(slot.input, inputs.front()->abs().max().item<double>());
+            const auto& weight = static_cast<torch::nn::LinearImpl&>(module).weight;
+            raise_to(slot.weight, weight.abs().max().item<double>());
+          }));
+    }
+  }
+
+  // A tied head (lm_head.weight is embed_tokens.weight) is no Linear module here, but it is
+  // one in transformers and is quantized like the others: its input is the final norm's
+  // output and its weight the embedding's (the vocabulary rows this rank holds, under tensor
+  // parallelism; the TP sync takes the max over them).
+  void hook_tied_head() {
+    if (model_->lm_head) return;
+    stats_["lm_head"] = {};
+    hooks_.push_back(nn::register_forward_hook(
+        *model_->model->norm, [this](torch::nn::Module&, nn::TensorRefs& outputs) {
+          if (!recording_ || outputs.empty()) return;
+          auto& slot = stats_["lm_head"];
+          raise_to(slot.input, outputs.front()->abs().max().item<double>());
+          raise_to(slot.weight, model_->model->embed_tokens->weight.abs().max().item<double>());
+        }));
+  }
+
+  hf::CausalLM& model_;
+  AbsMax stats_;
+  bool recording_ = true;
+  std::vector<nn::HookHandle> hooks_;
+  std::set<std::string> experts_modules_;                      // the Experts modules' names
+  std::map<std::string, std::vector<int64_t>> expert_tokens_;  // experts module -> per expert
+  std::set<std::string> weights_taken_;
+  std::map<std::string, int64_t> rows_of_dummy_;  // a padding forward's token count, per block
+};
+
+// What the checks found, agreed on by every rank.
+struct CalibrateInputs {
   ModelChoice choice;
   TokenStream data;
   std::optional<MixedPrecisionPolicy> mp_policy;
+};
+
+CalibrateInputs check_inputs(const CalibrateOptions& o) {
+  CalibrateInputs in;
   agree_on_inputs([&] {
-    mp_policy = parse_param_dtype(o.io.param_dtype);
+    in.mp_policy = parse_param_dtype(o.io.param_dtype);
     check_at_least(o.max_sequences, 0, "--max-sequences");
     check_writable_file(o.out, "output file");
     check_tensor_parallel_size(o.io.tensor_parallel);
     check_expert_parallel_size(o.io.expert_parallel, o.io.tensor_parallel);
-    choice = model_for_inference(o.io.model_dir, o.default_run);
-    check_tensor_parallel(o.io.tensor_parallel, choice.config);
-    check_expert_parallel(o.io.expert_parallel, o.io.tensor_parallel, choice.config);
-    data = load_checked_data(o.io, DataSplit::train, choice, "calibrate");
+    in.choice = model_for_inference(o.io.model_dir, o.default_run);
+    check_tensor_parallel(o.io.tensor_parallel, in.choice.config);
+    check_expert_parallel(o.io.expert_parallel, o.io.tensor_parallel, in.choice.config);
+    in.data = load_checked_data(o.io, DataSplit::train, in.choice, "calibrate");
   });
-  const Windows windows(data, o.io.seq_len, "calibrate");
-  const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
-  const ParallelState& parallel = layout.parallel;
-  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, layout, mp_policy);
-  model->eval();
-  const torch::NoGradGuard no_grad;
-  const c10::Device device = compute_device();
+  return in;
+}
 
-  AbsMax stats;
-  bool recording = true;
-  std::vector<nn::HookHandle> hooks;
-  std::set<std::string> experts_modules;  // the Experts modules' names
-  // Routed experts: tokens per expert counted where they are routed (each rank its own
-  // sequences: the same counts whatever the layout), and every held expert's weight maxima
-  // taken once, with the experts' FSDP unit gathered (its pre-hook, registered first, has run).
-  std::map<std::string, std::vector<int64_t>> expert_tokens;  // experts module -> per expert
-  std::set<std::string> weights_taken;
-  std::map<std::string, int64_t> rows_of_dummy;  // a dummy forward's token count, per block
-  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
-    auto* experts = dynamic_cast<hf::ExpertsImpl*>(item.value().get());
-    if (experts == nullptr) continue;
-    const std::string prefix = item.key();
-    expert_tokens[prefix].assign(static_cast<std::size_t>(experts->num_experts), 0);
-    experts_modules.insert(prefix);
-    hooks.push_back(nn::register_forward_pre_hook(
-        *experts, [&, prefix, experts](torch::nn::Module&, nn::TensorRefs& inputs) {
-          if (!weights_taken.contains(prefix)) {
-            weights_taken.insert(prefix);
-            for (const auto& sub : experts->named_modules("", /*include_self=*/false)) {
-              const auto* linear = dynamic_cast<torch::nn::LinearImpl*>(sub.value().get());
-              if (linear == nullptr) continue;
-              raise_to(stats[prefix + "." + sub.key()].weight,
-                       linear->weight.abs().max().item<double>());
-            }
-          }
-          // inputs: tokens [N, hidden], chosen and weights [N, top_k].
-          if (recording) {
-            const at::Tensor counts =
-                at::bincount(inputs[1]->flatten().cpu(), {}, experts->num_experts);
-            auto& total = expert_tokens[prefix];
-            for (int64_t e = 0; e < experts->num_experts; ++e) {
-              total[static_cast<std::size_t>(e)] += counts[e].item<int64_t>();
-            }
-            return;
-          }
-          // A padding forward (this rank has no sequence left while others do) still runs
-          // every collective, but routes no token: the experts' ranks must not record the
-          // padding's tokens as calibration data. Its output is replaced by zeros below.
-          rows_of_dummy[prefix] = inputs[0]->size(0);
-          for (auto* tensor : inputs) *tensor = tensor->narrow(0, 0, 0);
-        }));
-    hooks.push_back(nn::register_forward_hook(
-        *experts, [&, prefix](torch::nn::Module&, nn::TensorRefs& outputs) {
-          if (recording || outputs.empty()) return;
-          at::Tensor& out = *outputs.front();
-          out = at::zeros({rows_of_dummy.at(prefix), out.size(1)}, out.options());
-        }));
-  }
-
-  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
-    auto* linear = dynamic_cast<torch::nn::LinearImpl*>(item.value().get());
-    if (linear == nullptr) continue;
-    stats[item.key()] = {};
-    // Rows reach a routed expert from the ranks of its expert-parallel group, also while this
-    // rank runs a padding forward: they are real (a padding forward sends none), so recorded.
-    const std::string expert = item.key().substr(0, item.key().rfind('.'));
-    const bool routed = experts_modules.contains(expert.substr(0, expert.rfind('.')));
-    // A pre-hook: the module's weight is whole here (its FSDP unit has gathered it). An empty
-    // input (no token chose this expert) has no max.
-    hooks.push_back(nn::register_forward_pre_hook(
-        *linear, [&stats, &recording, routed, name = item.key()](torch::nn::Module& module,
-                                                                 nn::TensorRefs& inputs) {
-          if (!(recording || routed) || inputs.empty() || inputs.front()->numel() == 0) return;
-          auto& slot = stats[name];
-          raise_to(slot.input, inputs.front()->abs().max().item<double>());
-          const auto& weight = static_cast<torch::nn::LinearImpl&>(module).weight;
-          raise_to(slot.weight, weight.abs().max().item<double>());
-        }));
-  }
-
-  // A tied head (lm_head.weight is embed_tokens.weight) is no Linear module here, but it is
-  // one in transformers and is quantized like the others: its input is the final norm's output
-  // and its weight the embedding's (the vocabulary rows this rank holds, under tensor
-  // parallelism; the TP sync below takes the max over them).
-  if (!model->lm_head) {
-    stats["lm_head"] = {};
-    hooks.push_back(nn::register_forward_hook(
-        *model->model->norm,
-        [&stats, &recording, &model](torch::nn::Module&, nn::TensorRefs& outputs) {
-          if (!recording || outputs.empty()) return;
-          auto& slot = stats["lm_head"];
-          raise_to(slot.input, outputs.front()->abs().max().item<double>());
-          raise_to(slot.weight, model->model->embed_tokens->weight.abs().max().item<double>());
-        }));
-  }
-  const int64_t total =
-      o.max_sequences > 0 ? std::min(o.max_sequences, windows.count()) : windows.count();
-  say("mdist calibrate: model " + choice.description);
-  if (mp_policy) say("mdist calibrate: " + describe_mixed_precision(*mp_policy, model));
-  say("mdist calibrate: " + tokenizer_line(choice));
-  say("mdist calibrate: " + std::to_string(total) + " sequences of " +
-      std::to_string(o.io.seq_len) + " tokens from " + data.description + ", " +
-      std::to_string(stats.size()) + " Linear modules, " + describe_layout(layout));
-  // One sequence per forward: a sequence's activations are then computed the same way
-  // whatever the number of ranks, so the maxima (and the JSON) are identical bit for bit
-  // (under expert parallelism an expert's rows come from several sequences at once: equal to
-  // the rounding of its matrix products).
-  const Group dp = parallel.data_parallel_group.group();
-  const auto plan = train::plan_forwards(total, mdist::size(dp), mdist::rank(dp), 1);
-  for (int64_t round = 0; round < plan.rounds; ++round) {
-    const bool real = round < static_cast<int64_t>(plan.windows.size());
-    recording = real;
-    model->forward(
-        batch_of(windows, {real ? plan.windows[static_cast<std::size_t>(round)] : 0}).to(device));
-  }
-  recording = false;
-  for (auto& hook : hooks) hook.remove();
-
-  // Over data parallel (which holds the expert-parallel groups), keeping each rank's maxima
-  // for the completeness check, then over tensor parallel ("not used" is skipped).
+// The synced maxima, and the routed experts that did not get calibration tokens everywhere.
+struct SyncedAmax {
+  AbsMax amax;
   std::vector<IncompleteExpert> incomplete;
+};
+
+// Over data parallel (which holds the expert-parallel groups), keeping each rank's maxima for
+// the completeness check, then over tensor parallel ("not used" is skipped). Routed tokens are
+// summed over data parallel.
+SyncedAmax sync_amax(AmaxRecorder& recorder, const JobLayout& layout) {
+  const ParallelState& parallel = layout.parallel;
+  SyncedAmax synced;
   const auto merge_dp = [&](const std::vector<AbsMax>& per_rank) {
-    incomplete = incomplete_experts(per_rank, experts_modules, layout.expert_parallel() > 1);
+    synced.incomplete =
+        incomplete_experts(per_rank, recorder.experts_modules(), layout.expert_parallel() > 1);
     return elementwise_max(per_rank);
   };
-  AbsMax synced =
-      DistributedProcessGroup::get_dist_syncd_obj(stats, parallel.data_parallel_group, merge_dp);
+  synced.amax = DistributedProcessGroup::get_dist_syncd_obj(recorder.stats(),
+                                                            parallel.data_parallel_group, merge_dp);
   // A process outside any job: the data-parallel group is not initialised and the op never ran.
-  if (!parallel.data_parallel_group.is_initialized()) synced = merge_dp({stats});
-  synced = DistributedProcessGroup::get_dist_syncd_obj(synced, parallel.tensor_parallel_group,
-                                                       elementwise_max);
-  for (auto& [name, counts] : expert_tokens) {
+  if (!parallel.data_parallel_group.is_initialized()) synced.amax = merge_dp({recorder.stats()});
+  synced.amax = DistributedProcessGroup::get_dist_syncd_obj(
+      synced.amax, parallel.tensor_parallel_group, elementwise_max);
+  for (auto& [name, counts] : recorder.expert_tokens()) {
     counts = DistributedProcessGroup::get_dist_syncd_obj(
         counts, parallel.data_parallel_group, [](const std::vector<std::vector<int64_t>>& all) {
           std::vector<int64_t> sum(all.empty() ? 0 : all.front().size(), 0);
@@ -320,6 +338,11 @@ int run_calibrate(const CalibrateOptions& o) {
           return sum;
         });
   }
+  return synced;
+}
+
+// An incomplete MoE calibration: an agreed error, or with --allow-incomplete-moe a warning.
+void check_complete(const CalibrateOptions& o, const std::vector<IncompleteExpert>& incomplete) {
   // Every rank computed the same list from the same gathered maxima.
   agree_on_inputs([&] {
     if (!incomplete.empty() && !o.allow_incomplete_moe) {
@@ -338,28 +361,76 @@ int run_calibrate(const CalibrateOptions& o) {
         describe(incomplete, incomplete.size()) +
         "; their input_absmax is the max over the ranks that saw tokens, null where none did");
   }
-  if (rank() == 0) {
-    nlohmann::ordered_json modules = nlohmann::ordered_json::object();
-    for (const auto& [name, value] : synced) {
-      modules[name] = {{"input_absmax", optional_json(value.input)},
-                       {"weight_absmax", optional_json(value.weight)}};
-    }
-    nlohmann::ordered_json result = {{"format", "mdist.calibration.v1"},
-                                     {"statistic", "absmax"},
-                                     {"model", choice.description},
-                                     {"data", data.description},
-                                     {"sequences", total},
-                                     {"seq_len", o.io.seq_len},
-                                     {"modules", modules}};
-    if (!expert_tokens.empty()) {
-      nlohmann::ordered_json routed = nlohmann::ordered_json::object();
-      for (const auto& [name, counts] : expert_tokens) routed[name] = counts;
-      result["expert_tokens"] = routed;
-    }
-    if (o.out.has_parent_path()) std::filesystem::create_directories(o.out.parent_path());
-    io::write_file_atomically(o.out, result.dump(2) + "\n");
-    say("mdist calibrate: wrote " + o.out.string());
+}
+
+// Rank 0: the JSON result.
+void write_result(const CalibrateOptions& o, const CalibrateInputs& in, const AbsMax& amax,
+                  const std::map<std::string, std::vector<int64_t>>& expert_tokens,
+                  int64_t sequences) {
+  nlohmann::ordered_json modules = nlohmann::ordered_json::object();
+  for (const auto& [name, value] : amax) {
+    modules[name] = {{"input_absmax", optional_json(value.input)},
+                     {"weight_absmax", optional_json(value.weight)}};
   }
+  nlohmann::ordered_json result = {{"format", "mdist.calibration.v1"},
+                                   {"statistic", "absmax"},
+                                   {"model", in.choice.description},
+                                   {"data", in.data.description},
+                                   {"sequences", sequences},
+                                   {"seq_len", o.io.seq_len},
+                                   {"modules", modules}};
+  if (!expert_tokens.empty()) {
+    nlohmann::ordered_json routed = nlohmann::ordered_json::object();
+    for (const auto& [name, counts] : expert_tokens) routed[name] = counts;
+    result["expert_tokens"] = routed;
+  }
+  if (o.out.has_parent_path()) std::filesystem::create_directories(o.out.parent_path());
+  io::write_file_atomically(o.out, result.dump(2) + "\n");
+  say("mdist calibrate: wrote " + o.out.string());
+}
+
+}  // namespace
+
+int run_calibrate(const CalibrateOptions& o) {
+  const Session session(setup_options(o.io.timeout_s));
+  configure_threads();
+  const CalibrateInputs in = check_inputs(o);
+  const Windows windows(in.data, o.io.seq_len, "calibrate");
+  const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
+  hf::CausalLM model = build_wrapped_model(in.choice, o.io.seed, layout, in.mp_policy);
+  model->eval();
+  const torch::NoGradGuard no_grad;
+  const c10::Device device = compute_device();
+  SyncedAmax synced;
+  std::map<std::string, std::vector<int64_t>> expert_tokens;
+  const int64_t total =
+      o.max_sequences > 0 ? std::min(o.max_sequences, windows.count()) : windows.count();
+  {
+    AmaxRecorder recorder(model);
+    say("mdist calibrate: model " + in.choice.description);
+    if (in.mp_policy) say("mdist calibrate: " + describe_mixed_precision(*in.mp_policy, model));
+    say("mdist calibrate: " + tokenizer_line(in.choice));
+    say("mdist calibrate: " + std::to_string(total) + " sequences of " +
+        std::to_string(o.io.seq_len) + " tokens from " + in.data.description + ", " +
+        std::to_string(recorder.stats().size()) + " Linear modules, " + describe_layout(layout));
+    // One sequence per forward: a sequence's activations are then computed the same way
+    // whatever the number of ranks, so the maxima (and the JSON) are identical bit for bit
+    // (under expert parallelism an expert's rows come from several sequences at once: equal to
+    // the rounding of its matrix products).
+    const Group dp = layout.parallel.data_parallel_group.group();
+    const auto plan = train::plan_forwards(total, mdist::size(dp), mdist::rank(dp), 1);
+    for (int64_t round = 0; round < plan.rounds; ++round) {
+      const bool real = round < static_cast<int64_t>(plan.windows.size());
+      recorder.set_recording(real);
+      model->forward(
+          batch_of(windows, {real ? plan.windows[static_cast<std::size_t>(round)] : 0}).to(device));
+    }
+    recorder.set_recording(false);
+    synced = sync_amax(recorder, layout);
+    expert_tokens = recorder.expert_tokens();
+  }  // the hooks go with the recorder
+  check_complete(o, synced.incomplete);
+  if (rank() == 0) write_result(o, in, synced.amax, expert_tokens, total);
   barrier();
   return 0;
 }
