@@ -181,7 +181,7 @@ int run_calibrate(const CalibrateOptions& o) {
   const Windows windows(data, o.io.seq_len, "calibrate");
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
   const ParallelState& parallel = layout.parallel;
-  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, layout, mp_policy);
+  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, layout, mp_policy).model;
   model->eval();
   const torch::NoGradGuard no_grad;
   const c10::Device device = compute_device();

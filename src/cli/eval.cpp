@@ -17,9 +17,9 @@
 
 namespace mdist::cli {
 
-HeldOutLoss held_out_loss(hf::CausalLM& model, const Windows& windows,
-                          const ParallelState& parallel, std::int64_t batch_size,
-                          std::int64_t max_windows) {
+HeldOutLoss held_out_loss(hf::CausalLM& model, const hf::Parallelism& parallelism,
+                          const Windows& windows, const ParallelState& parallel,
+                          std::int64_t batch_size, std::int64_t max_windows) {
   const bool training = model->is_training();
   model->eval();
   const torch::NoGradGuard no_grad;
@@ -47,10 +47,11 @@ HeldOutLoss held_out_loss(hf::CausalLM& model, const Windows& windows,
     const auto V = logits.size(-1);
     const at::Tensor shifted = logits.narrow(1, 0, T - 1).reshape({-1, V}).to(torch::kFloat);
     const at::Tensor labels = ids.narrow(1, 1, T - 1).reshape({-1});
-    const auto& split = model->tensor_parallel;
+    const auto& split = parallelism.tensor_parallel;
     const at::Tensor per_token =
-        split && split->size() > 1
-            ? tp::vocab_parallel_token_losses(shifted, labels, split->group(), split->vocab_start())
+        parallelism.tensor_parallel_split()
+            ? tp::vocab_parallel_token_losses(shifted, labels, split->group(), split->vocab_start(),
+                                              -100, split->counters())
             : torch::nn::functional::cross_entropy(
                   shifted, labels,
                   torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
@@ -83,13 +84,14 @@ int run_eval(const EvalOptions& o) {
   const Windows windows(data, o.io.seq_len, "eval");
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
   const ParallelState& parallel = layout.parallel;
-  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, layout, mp_policy);
+  const hf::ParallelModel built = build_wrapped_model(choice, o.io.seed, layout, mp_policy);
+  hf::CausalLM model = built.model;
   say("mdist eval: model " + choice.description);
   if (mp_policy) say("mdist eval: " + describe_mixed_precision(*mp_policy, model));
   say("mdist eval: " + tokenizer_line(choice));
   say("mdist eval: data " + data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens on " + describe_layout(layout));
-  const HeldOutLoss held = held_out_loss(model, windows, parallel, o.batch_size);
+  const HeldOutLoss held = held_out_loss(model, built.parallelism, windows, parallel, o.batch_size);
   const int64_t T = o.io.seq_len;
   const double total_loss = held.loss_sum;
   const int64_t total_tokens = held.tokens;

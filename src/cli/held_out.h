@@ -6,6 +6,7 @@
 
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
+#include "mdist/hf/parallelize.h"
 #include "src/cli/token_data.h"
 
 namespace mdist::cli {
@@ -18,8 +19,8 @@ struct HeldOutLoss {
 
 // Collective over the world: the first `max_windows` windows (0: all), `batch_size` per forward
 // on each data-parallel rank, without gradients. Leaves the model in the mode it found it in.
-HeldOutLoss held_out_loss(hf::CausalLM& model, const Windows& windows,
-                          const ParallelState& parallel, std::int64_t batch_size,
-                          std::int64_t max_windows = 0);
+HeldOutLoss held_out_loss(hf::CausalLM& model, const hf::Parallelism& parallelism,
+                          const Windows& windows, const ParallelState& parallel,
+                          std::int64_t batch_size, std::int64_t max_windows = 0);
 
 }  // namespace mdist::cli

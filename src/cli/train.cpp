@@ -285,7 +285,9 @@ int run_train(const TrainOptions& o) {
   const JobLayout layout = make_layout(tp, o.io.expert_parallel);
   const ParallelState& parallel = layout.parallel;
   const int dp_rank = mdist::rank(parallel.data_parallel_group.group());
-  hf::CausalLM model = build_wrapped_model(model_choice, o.io.seed, layout, mp_policy);
+  const hf::ParallelModel built = build_wrapped_model(model_choice, o.io.seed, layout, mp_policy);
+  hf::CausalLM model = built.model;
+  const hf::Parallelism& parallelism = built.parallelism;
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
   // the same directory gets one line naming this one's pid). Taken once the model is known to
   // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.
@@ -304,7 +306,7 @@ int run_train(const TrainOptions& o) {
   if (rank() == 0) fs::create_directories(o.out);
   std::vector<std::string> earlier_metrics;
   if (resumed) {
-    load_training_checkpoint(*resume_from, model, *optimizer, *resumed, parallel);
+    load_training_checkpoint(*resume_from, model, parallelism, *optimizer, *resumed, parallel);
     state.step = resumed->step;
     state.sequences_seen = resumed->sequences_seen;
     state.skipped_steps = resumed->skipped_steps;
@@ -379,19 +381,19 @@ int run_train(const TrainOptions& o) {
     const double lr = schedule.at(step);
     set_lr(*optimizer, lr);
     optimizer->zero_grad();
-    const int64_t sent_before = ep::all_to_all_bytes();
+    const int64_t sent_before = parallelism.communication().all_to_all_bytes;
     const at::Tensor logits = model->forward(ids);
     // With tensor parallelism the logits are this rank's vocabulary columns; the loss is the
     // whole vocabulary's (vocab-parallel cross entropy), the same on every rank of the group.
-    const at::Tensor loss =
-        fault_steps.contains(step)
-            ? hf::causal_lm_loss(model, logits, ids) * std::numeric_limits<double>::quiet_NaN()
-            : hf::causal_lm_loss(model, logits, ids);
+    const at::Tensor loss = fault_steps.contains(step)
+                                ? hf::causal_lm_loss(parallelism, logits, ids) *
+                                      std::numeric_limits<double>::quiet_NaN()
+                                : hf::causal_lm_loss(parallelism, logits, ids);
     // The load-balancing loss (every token of a window is real: no mask) is measured for the
     // log in any case, and in the objective with weight aux_coef.
     const at::Tensor aux = moe ? model->aux_loss() : at::Tensor();
     (aux_coef > 0 ? loss + aux_coef * aux.to(loss.device()) : loss).backward();
-    const double grad_norm = hf::clip_grad_norm_(model, max_norm);
+    const double grad_norm = hf::clip_grad_norm_(model, parallelism, max_norm);
 
     // One small all-gather per step, before the update: each rank's (loss, peak RSS). Every
     // rank's batch has the same number of tokens, so the mean of the ranks' means is the
@@ -403,7 +405,7 @@ int run_train(const TrainOptions& o) {
     // the step (tokens to their experts and back, forward and backward).
     const auto reports =
         allgather(std::tuple{loss.item<double>(), peak_rss_mib(), moe ? aux.item<double>() : 0.0,
-                             ep::all_to_all_bytes() - sent_before});
+                             parallelism.communication().all_to_all_bytes - sent_before});
     double mean_loss = 0, mean_aux = 0;
     std::vector<double> peaks;
     std::vector<int64_t> sent;
@@ -476,7 +478,7 @@ int run_train(const TrainOptions& o) {
         held_out && (o.eval_every ? (step % *o.eval_every == 0 || step == o.steps) : save);
     if (evaluate) {
       const HeldOutLoss held =
-          held_out_loss(model, *held_out, parallel, local_batch, o.eval_max_sequences);
+          held_out_loss(model, parallelism, *held_out, parallel, local_batch, o.eval_max_sequences);
       if (rank() == 0) {
         const nlohmann::json line = {{"step", step},
                                      {"eval_loss", held.mean()},
@@ -489,7 +491,7 @@ int run_train(const TrainOptions& o) {
       }
     }
     if (save) {
-      save_training_checkpoint(o.out, model, *optimizer, state, o.keep, parallel,
+      save_training_checkpoint(o.out, model, parallelism, *optimizer, state, o.keep, parallel,
                                tokenizer_files(model_choice));
     }
   }

@@ -19,6 +19,7 @@
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/expert_parallel.h"
 #include "mdist/hf/fsdp2_wrap.h"
+#include "mdist/hf/parallelize.h"
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
@@ -57,12 +58,14 @@ std::vector<int> layouts(int64_t experts) {
 struct Split {
   mdist::ParallelState state;
   mdist::Group expert_data_parallel;
+  mdist::hf::Parallelism parallelism = {};
 };
 
 Split split(CausalLM& model, int ep, bool wrap) {
   Split s{mdist::make_parallel_state({.expert_model_parallel = ep}),
           mdist::make_expert_data_parallel_group({.expert_model_parallel = ep})};
-  mdist::hf::parallelize_experts(model, s.state.expert_model_parallel_group.group());
+  s.parallelism.expert_parallel =
+      mdist::hf::parallelize_experts(model, s.state.expert_model_parallel_group.group());
   if (wrap) {
     mdist::hf::shard_experts(model, s.expert_data_parallel, mdist::size());
     mdist::fsdp2_wrap(*model);
@@ -83,7 +86,7 @@ CausalLM load_in_layout(const std::filesystem::path& dir, int ep) {
   options.parallel = mdist::make_parallel_state({.expert_model_parallel = ep});
   options.expert_data_parallel =
       mdist::make_expert_data_parallel_group({.expert_model_parallel = ep});
-  return mdist::hf::load_pretrained_fsdp2(dir, options);
+  return mdist::hf::load_pretrained_fsdp2(dir, options).model;
 }
 
 std::string file_text(const std::filesystem::path& path) {
@@ -175,7 +178,7 @@ TEST_P(ExpertParallel, TrainsLikeOneProcessInEveryLayout) {
 
   for (const int ep : layouts(config.moe->num_experts)) {
     CausalLM model = seeded(config);
-    split(model, ep, /*wrap=*/true);
+    const Split s = split(model, ep, /*wrap=*/true);
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.5));
     const int64_t per_rank = kGlobalBatch / world;
     for (int step = 0; step < kSteps; ++step) {
@@ -184,7 +187,8 @@ TEST_P(ExpertParallel, TrainsLikeOneProcessInEveryLayout) {
       opt.zero_grad();
       loss.backward();
       // The global gradient norm counts every expert's shard once (a bound that never clips).
-      EXPECT_NEAR(mdist::hf::clip_grad_norm_(model, 1e30), ref_norms[step], 1e-5 * ref_norms[step])
+      EXPECT_NEAR(mdist::hf::clip_grad_norm_(model, s.parallelism, 1e30), ref_norms[step],
+                  1e-5 * ref_norms[step])
           << "ep " << ep << ", step " << step;
       opt.step();
       const double global = mdist::allreduce(loss.item<double>()) / world;
@@ -307,8 +311,8 @@ TEST_P(ExpertParallel, SavePretrainedWritesEveryExpertAsTheUnsplitModel) {
             base / ("ep" + std::to_string(ep) + (wrap ? "-fsdp" : "") + (bf16 ? "-bf16" : ""));
         {
           CausalLM model = make();
-          split(model, ep, wrap);
-          mdist::hf::save_pretrained(model, dir);
+          const Split s = split(model, ep, wrap);
+          mdist::hf::save_pretrained(model, s.parallelism, dir);
         }
         mdist::barrier();
         if (mdist::is_master()) {

@@ -17,6 +17,7 @@
 
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/fsdp2_wrap.h"
+#include "mdist/hf/parallelize.h"
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
@@ -333,11 +334,12 @@ TEST(TpLlama, NoRankAllocatesTheFullLogitsOrAFullVocabularyLayer) {
     const at::Tensor ids = torch::randint(0, config.vocab_size, {batch, time});
     const auto state = mdist::make_parallel_state({.tensor_parallel = t});
     CausalLM model = seeded(config);
-    mdist::hf::parallelize(model, state);
+    const mdist::hf::Parallelism parallelism{.tensor_parallel =
+                                                 mdist::hf::parallelize(model, state)};
     const auto probe = std::make_shared<LargestAllocation>();
     {
       const c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, probe);
-      mdist::hf::causal_lm_loss(model, model->forward(ids), ids).backward();
+      mdist::hf::causal_lm_loss(parallelism, model->forward(ids), ids).backward();
     }
     // Each rank's parts are 1 / t of them; allow for the other small tensors of the step.
     EXPECT_LE(probe->largest, std::max(full_logits, full_table) / t + (64 << 10))
@@ -403,7 +405,7 @@ TEST(TpFsdp, TrainingOnEveryLayoutMatchesOneProcessAndSavesTheHfLayout) {
         const at::Tensor batch = data[step].narrow(0, dp_rank * local, local);
         const at::Tensor loss = plan->loss(model->forward(batch), batch);
         loss.backward();
-        mdist::hf::clip_grad_norm_(model, 0.5);
+        mdist::hf::clip_grad_norm_(model, {.tensor_parallel = plan}, 0.5);
         opt.step();
         // The mean over the data-parallel ranks' (equal-sized) batches is the global loss.
         const double global =
@@ -416,7 +418,7 @@ TEST(TpFsdp, TrainingOnEveryLayoutMatchesOneProcessAndSavesTheHfLayout) {
           (std::filesystem::temp_directory_path() /
            ("mdist-tp-save-" + std::to_string(::getpid()) + "-" + arch + "-" + std::to_string(t)))
               .string());
-      mdist::hf::save_pretrained(model, dir);
+      mdist::hf::save_pretrained(model, {.tensor_parallel = plan}, dir);
       mdist::barrier();
       const mdist::hf::SafetensorsCheckpoint saved(dir);
       for (const auto& item : reference->named_parameters()) {
@@ -434,12 +436,12 @@ TEST(TpFsdp, TrainingOnEveryLayoutMatchesOneProcessAndSavesTheHfLayout) {
       for (const auto& [dp2, t2] : layouts()) {
         if (config.num_attention_heads % t2 != 0) continue;
         const auto state2 = mdist::make_parallel_state({.tensor_parallel = t2});
-        CausalLM loaded = mdist::hf::load_pretrained_fsdp2(dir, {.parallel = state2});
+        auto [loaded, parallelism] = mdist::hf::load_pretrained_fsdp2(dir, {.parallel = state2});
         const at::NoGradGuard no_grad;
         const at::Tensor ids = data[0].narrow(0, 0, 2);
-        EXPECT_LT(
-            max_diff(mdist::hf::full_logits(loaded, loaded->forward(ids)), reference->forward(ids)),
-            1e-4)
+        EXPECT_LT(max_diff(mdist::hf::full_logits(parallelism, loaded->forward(ids)),
+                           reference->forward(ids)),
+                  1e-4)
             << label << " loaded on tp=" << t2;
         (void)dp2;
       }
