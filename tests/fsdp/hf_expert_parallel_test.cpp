@@ -216,6 +216,33 @@ TEST_P(ExpertParallel, TrainsLikeOneProcessInEveryLayout) {
   }
 }
 
+// The all-to-all counters belong to the model's plan (one per block's style, summed by the
+// plan), not to the process: two models split alike count their own traffic each, the same
+// bytes for the same forward, and a reset clears one model's only.
+TEST_P(ExpertParallel, CountsCommunicationPerModel) {
+  const LlamaConfig config = fixture_config(GetParam(), 12);
+  const int ep = mdist::size();
+  if (ep == 1 || config.moe->num_experts % ep != 0) GTEST_SKIP() << "needs ep > 1";
+  CausalLM first = seeded(config), second = seeded(config);
+  const Split a = split(first, ep, /*wrap=*/false), b = split(second, ep, /*wrap=*/false);
+  ASSERT_TRUE(a.parallelism.expert_parallel && b.parallelism.expert_parallel);
+  torch::manual_seed(5);
+  const at::Tensor ids = torch::randint(0, config.vocab_size, {2, 8});
+  const at::NoGradGuard no_grad;
+  first->forward(ids);
+  const auto counted = a.parallelism.communication();
+  // Two all-to-alls (there and back) per sparse layer.
+  int64_t sparse = 0;
+  for (const auto& layer : first->model->decoder_layers) sparse += layer->moe ? 1 : 0;
+  EXPECT_EQ(counted.all_to_alls, 2 * sparse);
+  EXPECT_EQ(b.parallelism.communication().all_to_alls, 0);
+  second->forward(ids);
+  EXPECT_EQ(b.parallelism.communication().all_to_all_bytes, counted.all_to_all_bytes);
+  a.parallelism.reset_communication();
+  EXPECT_EQ(a.parallelism.communication().all_to_all_bytes, 0);
+  EXPECT_EQ(b.parallelism.communication().all_to_all_bytes, counted.all_to_all_bytes);
+}
+
 TEST_P(ExpertParallel, EachRankHoldsOnlyItsOwnExperts) {
   const LlamaConfig config = fixture_config(GetParam(), 12);
   const int ep = mdist::size();

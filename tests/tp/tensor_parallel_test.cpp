@@ -322,6 +322,30 @@ struct LargestAllocation : c10::MemoryReportingInfoBase {
 // A split model never holds the full logits, the full embedding or the full head: with a large
 // vocabulary those are the biggest tensors of the unsplit step, and no allocation of the split
 // forward, loss and backward comes near them.
+// The collectives' bytes belong to the model's plan, not to the process: two models split
+// alike count their own traffic each (the same for the same forward), and a reset clears one
+// plan's only.
+TEST(TpLlama, CountsCommunicationPerPlan) {
+  const int t = mdist::size();
+  LlamaConfig config = small(4, 4, 16 * t);
+  if (t == 1 || config.num_attention_heads % t != 0) GTEST_SKIP() << "needs 2 or 4 ranks";
+  const auto state = mdist::make_parallel_state({.tensor_parallel = t});
+  CausalLM first = seeded(config), second = seeded(config);
+  const auto a = mdist::hf::parallelize(first, state), b = mdist::hf::parallelize(second, state);
+  torch::manual_seed(5);
+  const at::Tensor ids = torch::randint(0, config.vocab_size, {2, 5});
+  const at::NoGradGuard no_grad;
+  (void)a->loss(first->forward(ids), ids);
+  const mdist::tp::CommunicationBytes counted = a->communication();
+  EXPECT_GT(counted.all_reduce, 0);
+  EXPECT_EQ(b->communication().all_reduce, 0);
+  (void)b->loss(second->forward(ids), ids);
+  EXPECT_EQ(b->communication().all_reduce, counted.all_reduce);
+  a->reset_communication();
+  EXPECT_EQ(a->communication().all_reduce, 0);
+  EXPECT_EQ(b->communication().all_reduce, counted.all_reduce);
+}
+
 TEST(TpLlama, NoRankAllocatesTheFullLogitsOrAFullVocabularyLayer) {
   for (const int t : tp_sizes()) {
     if (t != mdist::size()) continue;  // pure tensor parallelism over the world
