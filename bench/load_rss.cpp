@@ -67,7 +67,7 @@ int load(const std::string& mode, const std::filesystem::path& dir) {
   const auto start = std::chrono::steady_clock::now();
   mdist::hf::CausalLM model{nullptr};
   if (mode == "fsdp2") {
-    model = mdist::hf::load_pretrained_fsdp2(dir);
+    model = mdist::hf::load_pretrained_fsdp2(dir).model;
   } else {
     model = mdist::hf::load_pretrained(dir);
     mdist::fsdp2_wrap(*model);

@@ -152,7 +152,7 @@ int bench(int argc, char** argv) {
   std::vector<double> losses;
   std::vector<double> step_s, forward_s, backward_s, optimizer_s;
   for (int step = 0; step < warmup + timed; ++step) {
-    if (step == warmup) mdist::tp::reset_communication_bytes();
+    if (step == warmup) plan->reset_communication();
     // HF's convention: labels are the inputs; the loss shifts them (seq_len - 1 targets).
     const at::Tensor ids =
         mdist::bench::batch_tokens(step, dp_rank * per_rank, per_rank, seq_len).inputs;
@@ -173,7 +173,7 @@ int bench(int argc, char** argv) {
     }
     losses.push_back(loss.item<double>());
   }
-  const mdist::tp::CommunicationBytes sent = mdist::tp::communication_bytes();
+  const mdist::tp::CommunicationBytes sent = plan->communication();
 
   // Per step per rank: forward 2 all-reduces per layer (after o_proj and down_proj) and the
   // vocab-parallel embedding's; backward 2 per layer (the gradients of the attention and MLP

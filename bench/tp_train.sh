@@ -180,7 +180,7 @@ print("step = zero_grad + forward (with the loss) + backward + AdamW step; peak 
       "the whole process, max over ranks\n  (includes building the full model before "
       "splitting and sharding; on the Python side the interpreter and torch)")
 print("TP all-reduce = bytes each rank sent into mdist::tp's all-reduces per timed step "
-      "(mdist::tp::communication_bytes); analytic:\n  (4 layers + 2) x B_local x T x hidden x 4 "
+      "(the plan's counters, TensorParallelPlan::communication); analytic:\n  (4 layers + 2) x B_local x T x hidden x 4 "
       "B + the vocab-parallel cross entropy's 3 x B_local x (T - 1) x 4 B; 0 at tp = 1")
 if mismatches:
     for dp, tp, measured, analytic, gathered in mismatches:

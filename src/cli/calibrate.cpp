@@ -397,7 +397,7 @@ int run_calibrate(const CalibrateOptions& o) {
   const CalibrateInputs in = check_inputs(o);
   const Windows windows(in.data, o.io.seq_len, "calibrate");
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
-  hf::CausalLM model = build_wrapped_model(in.choice, o.io.seed, layout, in.mp_policy);
+  hf::CausalLM model = build_wrapped_model(in.choice, o.io.seed, layout, in.mp_policy).model;
   model->eval();
   const torch::NoGradGuard no_grad;
   const c10::Device device = compute_device();

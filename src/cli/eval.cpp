@@ -37,14 +37,15 @@ int run_eval(const EvalOptions& o) {
   const Windows windows(data, o.io.seq_len, "eval");
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
   const ParallelState& parallel = layout.parallel;
-  hf::CausalLM model = build_wrapped_model(choice, o.io.seed, layout, mp_policy);
+  const hf::ParallelModel built = build_wrapped_model(choice, o.io.seed, layout, mp_policy);
+  hf::CausalLM model = built.model;
   say("mdist eval: model " + choice.description);
   if (mp_policy) say("mdist eval: " + describe_mixed_precision(*mp_policy, model));
   say("mdist eval: " + tokenizer_line(choice));
   say("mdist eval: data " + data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens on " + describe_layout(layout));
   const train::HeldOutLoss held = train::held_out_loss(
-      model, sequence_source(windows, data.description), parallel, o.batch_size);
+      model, built.parallelism, sequence_source(windows, data.description), parallel, o.batch_size);
   const int64_t T = o.io.seq_len;
   const double total_loss = held.loss_sum;
   const int64_t total_tokens = held.tokens;

@@ -37,7 +37,8 @@ int run_generate(const GenerateOptions& o) {
     }
   });
   const JobLayout layout = make_layout(o.tensor_parallel);
-  hf::CausalLM model = build_wrapped_model(choice, o.seed, layout, mp_policy);
+  const hf::ParallelModel built = build_wrapped_model(choice, o.seed, layout, mp_policy);
+  hf::CausalLM model = built.model;
   model->eval();
   const torch::NoGradGuard no_grad;
   auto generator = at::make_generator<at::CPUGeneratorImpl>(o.seed);
@@ -70,7 +71,7 @@ int run_generate(const GenerateOptions& o) {
             .to(device);
     // Sampling on the CPU with a seeded CPU generator: the same bytes on any device.
     // Split over tensor-parallel ranks, only the last position's logits are gathered.
-    at::Tensor logits = hf::full_logits(model, model->forward(context).select(1, -1))
+    at::Tensor logits = hf::full_logits(built.parallelism, model->forward(context).select(1, -1))
                             .squeeze(0)
                             .to(torch::kCPU, torch::kFloat);
     int64_t next = 0;

@@ -241,11 +241,10 @@ std::string describe_mixed_precision(const MixedPrecisionPolicy& policy, hf::Cau
          name(model->parameters().front().scalar_type()) + " (--param-dtype)";
 }
 
-hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
-                                 const JobLayout& layout,
-                                 const std::optional<MixedPrecisionPolicy>& mp_policy) {
+hf::ParallelModel build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
+                                      const JobLayout& layout,
+                                      const std::optional<MixedPrecisionPolicy>& mp_policy) {
   const ParallelState& parallel = layout.parallel;
-  const bool split = layout.tensor_parallel() > 1;
   // A checkpoint is loaded without ever holding the whole model: built on the meta device,
   // split and wrapped, then each rank reads only its rows from the memory-mapped safetensors.
   if (choice.dir) {
@@ -253,7 +252,8 @@ hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
     options.parallel = parallel;
     options.expert_data_parallel = layout.expert_data_parallel;
     options.mp_policy = mp_policy;
-    hf::CausalLM model = hf::load_pretrained_fsdp2(*choice.dir, options);
+    hf::ParallelModel loaded = hf::load_pretrained_fsdp2(*choice.dir, options);
+    hf::CausalLM model = loaded.model;
     // A NaN or infinite weight makes every number after it meaningless (exit code 0 with a
     // "loss nan"): each rank checks the values it holds, and the ranks agree, so that the job
     // ends with one line before any output exists.
@@ -266,7 +266,7 @@ hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
         }
       }
     });
-    return model;
+    return loaded;
   }
   hf::CausalLM model(choice.config);
   const auto config = nlohmann::json::parse(choice.config.source_json, nullptr, false);
@@ -274,17 +274,16 @@ hf::CausalLM build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
   // On the CPU and whole: the same numbers whatever the device and the layout. (The seeded
   // default is small; a large model comes from a checkpoint, read by slice.)
   init_weights(model, seed, std);
-  if (split) hf::parallelize(model, parallel);
-  if (layout.expert_parallel() > 1) {
-    hf::parallelize_experts(model, parallel.expert_model_parallel_group.group());
-  }
-  if (const auto device = compute_device(); !device.is_cpu()) model->to(device);
-  const Group dp = parallel.data_parallel_group.group();
-  if (layout.expert_parallel() > 1) {
-    hf::shard_experts(model, *layout.expert_data_parallel, mdist::size(dp), mp_policy);
-  }
-  fsdp2_wrap(*model, true, mp_policy, false, dp);
-  return model;
+  std::optional<c10::Device> device;
+  if (const auto compute = compute_device(); !compute.is_cpu()) device = compute;
+  const hf::Parallelism parallelism =
+      hf::apply_parallelism(model, {parallel, layout.expert_data_parallel},
+                            {.fsdp = true,
+                             .shard_root = true,
+                             .mp_policy = mp_policy,
+                             .cpu_offload = false,
+                             .device = device});
+  return {model, parallelism};
 }
 
 void check_tensor_parallel_size(int tp) { check_tensor_parallel_size(tp, size()); }

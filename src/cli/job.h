@@ -14,6 +14,7 @@
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
+#include "mdist/hf/parallelize.h"
 #include "mdist/hf/tokenizer.h"
 #include "mdist/runtime/device.h"
 #include "mdist/runtime/runtime.h"
@@ -93,12 +94,13 @@ struct JobLayout {
 // size.
 // A checkpoint holding a non-finite value is refused (AgreedInputError naming the tensor), before
 // the caller has written anything.
-// With a tensor-parallel group in the layout, the model is split over it first
-// (hf::parallelize; a checkpoint is read by slice) and sharded over its data-parallel group.
-// With an expert-parallel group, each rank keeps (and reads) only its experts
-// (hf::parallelize_experts), FSDP-sharded over the expert-data-parallel group.
+// Either way the model goes through hf::apply_parallelism, the one recipe: with a
+// tensor-parallel group in the layout, the model is split over it first (a checkpoint is read
+// by slice) and sharded over its data-parallel group; with an expert-parallel group, each rank
+// keeps (and reads) only its experts, FSDP-sharded over the expert-data-parallel group.
+// Returns the model with its hf::Parallelism (the loss, gradient norm and saving take it).
 // `mp_policy`: FSDP2's mixed precision for every unit (train's --param-dtype).
-hf::CausalLM build_wrapped_model(
+hf::ParallelModel build_wrapped_model(
     const ModelChoice& choice, std::uint64_t seed, const JobLayout& layout = JobLayout(),
     const std::optional<MixedPrecisionPolicy>& mp_policy = std::nullopt);
 

@@ -336,7 +336,7 @@ int run_train(const TrainOptions& o) {
   if (held_out_windows)
     held_out = sequence_source(*held_out_windows, in.held_out_data->description);
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
-  hf::CausalLM model = build_wrapped_model(in.model, o.io.seed, layout, in.mp_policy);
+  hf::ParallelModel built = build_wrapped_model(in.model, o.io.seed, layout, in.mp_policy);
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
   // the same directory gets one line naming this one's pid). Taken once the model is known to
   // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.
@@ -345,9 +345,10 @@ int run_train(const TrainOptions& o) {
     if (rank() == 0) lock = std::make_unique<RunLock>(o.out);
   });
   if (rank() == 0 && in.replace_earlier) remove_earlier_run(o.out);
-  const double aux_weight = train::aux_loss_weight(model->config, o.router_aux_loss_coef);
-  auto loss = std::make_unique<train::CausalLmLoss>(model->config, aux_weight);
-  train::Trainer trainer(model, layout.parallel,
+  const hf::LlamaConfig config = built.model->config;
+  const double aux_weight = train::aux_loss_weight(config, o.router_aux_loss_coef);
+  auto loss = std::make_unique<train::CausalLmLoss>(config, aux_weight);
+  train::Trainer trainer(std::move(built), layout.parallel,
                          sequence_source(windows, in.data.description,
                                          std::make_shared<WindowOrder>(windows.count(), o.io.seed)),
                          trainer_options(o, in.fault_steps), std::move(loss),

@@ -7,7 +7,6 @@
 #include <string_view>
 #include <utility>
 
-#include "mdist/ep/dispatch.h"
 #include "mdist/error.h"
 #include "mdist/nn/hooks.h"
 #include "mdist/nn/meta.h"
@@ -161,6 +160,27 @@ at::Tensor MLPImpl::forward(const at::Tensor& x) {
                          torch::silu(mdist::nn::call(gate_proj, x)) * mdist::nn::call(up_proj, x));
 }
 
+GroupedExpertsImpl::GroupedExpertsImpl(std::vector<MLP> experts_) : experts(std::move(experts_)) {}
+
+at::Tensor GroupedExpertsImpl::forward(const at::Tensor& rows, const at::Tensor& counts,
+                                       const at::Tensor& /*tokens*/) {
+  const at::Tensor count = counts.to(at::kCPU, at::kLong).contiguous();
+  if (count.numel() != static_cast<int64_t>(experts.size())) {
+    throw Error("mdist::hf::GroupedExperts: " + std::to_string(count.numel()) + " counts for " +
+                std::to_string(experts.size()) + " experts");
+  }
+  const int64_t* n = count.data_ptr<int64_t>();
+  std::vector<at::Tensor> outputs;
+  int64_t start = 0;
+  for (std::size_t e = 0; e < experts.size(); ++e) {
+    if (n[e] == 0) continue;
+    outputs.push_back(mdist::nn::call(experts[e], rows.narrow(0, start, n[e])));
+    start += n[e];
+  }
+  // With no row the (empty) result still hangs off the rows' graph.
+  return outputs.empty() ? rows.narrow(0, 0, 0) : at::cat(outputs, 0);
+}
+
 ExpertsImpl::ExpertsImpl(const LlamaConfig& c, c10::Device device)
     : num_experts(c.moe->num_experts) {
   const MoeConfig& m = *c.moe;
@@ -168,45 +188,35 @@ ExpertsImpl::ExpertsImpl(const LlamaConfig& c, c10::Device device)
     local.push_back(register_module(
         std::to_string(e), MLP(c.hidden_size, m.moe_intermediate_size, m.mixtral_names, device)));
   }
+  grouped = GroupedExperts(local);
 }
 
-ExpertsImpl::ExpertsImpl(std::vector<MLP> kept, int64_t first_expert, int64_t total,
-                         Group expert_parallel_group)
-    : first(first_expert), num_experts(total), expert_parallel(std::move(expert_parallel_group)) {
+ExpertsImpl::ExpertsImpl(std::vector<MLP> kept, int64_t first_expert, int64_t total)
+    : first(first_expert), num_experts(total) {
   for (std::size_t i = 0; i < kept.size(); ++i) {
     local.push_back(register_module(std::to_string(first + static_cast<int64_t>(i)), kept[i]));
   }
+  grouped = GroupedExperts(local);
 }
 
 at::Tensor ExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& chosen,
                                 const at::Tensor& weights) {
-  if (expert_parallel) {
-    return ep::dispatch_combine(tokens, chosen, weights, num_experts, *expert_parallel,
-                                [this](int64_t i, const at::Tensor& rows) {
-                                  return mdist::nn::call(local[static_cast<std::size_t>(i)], rows);
-                                });
-  }
-  // As transformers' loop: each chosen expert in ascending order, its rows by (slot, token),
-  // its weighted output added to its tokens (index_add per expert: within one expert a token
-  // appears once, so the sums are in expert order on any device, bf16 included). The rows are
-  // sorted by expert and gathered once: a per-expert mask, nonzero and gather cost more than
-  // the experts' matrix products on small batches.
+  // (slot, token) pairs (position slot * N + token) sorted by expert, stably.
   const int64_t n_tokens = tokens.size(0);
-  const at::Tensor flat = chosen.t().reshape({-1});  // position slot * N + token
+  const at::Tensor flat = chosen.t().reshape({-1});
   const at::Tensor order = std::get<1>(flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
   const at::Tensor token = order.remainder(n_tokens);
   const at::Tensor slot_weight = weights.index({token, order.div(n_tokens, "floor")}).unsqueeze(-1);
   const at::Tensor counts = at::bincount(flat, {}, num_experts).cpu().contiguous();
+  const at::Tensor outputs =
+      mdist::nn::call(grouped, tokens.index_select(0, token), counts, token);  // `order`'s order
   const int64_t* count = counts.data_ptr<int64_t>();
-  const at::Tensor rows = tokens.index_select(0, token);
   at::Tensor out = at::zeros_like(tokens);
   int64_t start = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t n = count[e];
     if (n == 0) continue;
-    const at::Tensor y =
-        mdist::nn::call(local[static_cast<std::size_t>(e)], rows.narrow(0, start, n));
-    const at::Tensor scaled = y * slot_weight.narrow(0, start, n);
+    const at::Tensor scaled = outputs.narrow(0, start, n) * slot_weight.narrow(0, start, n);
     out = out.index_add(0, token.narrow(0, start, n), scaled.to(out.scalar_type()));
     start += n;
   }

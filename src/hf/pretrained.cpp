@@ -123,14 +123,6 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
 
 namespace {
 
-// The expert-parallel group the experts are split over (hf::parallelize_experts), if they are.
-std::optional<Group> expert_parallel_group(CausalLM& model) {
-  for (const auto& [prefix, experts] : named_experts(model)) {
-    if (experts->expert_parallel) return experts->expert_parallel;
-  }
-  return std::nullopt;
-}
-
 // The bytes of a tensor as a 1-D uint8 tensor, so that any dtype travels bit for bit.
 at::Tensor bytes_of(const at::Tensor& tensor) {
   return tensor.contiguous().reshape({-1}).view(at::kByte);
@@ -243,13 +235,24 @@ std::map<std::string, at::Tensor> gather_experts(CausalLM& model,
 
 void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
                      std::uint64_t max_shard_bytes) {
+  if (is_tensor_parallel_split(model) || is_expert_parallel_split(model)) {
+    throw Error(
+        "mdist: save_pretrained: the model is split; pass the Parallelism "
+        "apply_parallelism returned");
+  }
+  save_pretrained(model, Parallelism{}, dir, max_shard_bytes);
+}
+
+void save_pretrained(CausalLM& model, const Parallelism& parallelism,
+                     const std::filesystem::path& dir, std::uint64_t max_shard_bytes) {
   std::map<std::string, at::Tensor> tensors;
-  const auto& plan = model->tensor_parallel;
-  if (const auto expert_parallel = expert_parallel_group(model)) {
+  const auto& plan = parallelism.tensor_parallel;
+  if (parallelism.expert_parallel) {
+    const Group& expert_parallel = parallelism.expert_parallel->group();
     // The ranks of the expert-parallel group holding rank 0 gather their own experts whole (the
     // FSDP gather is over their expert-data-parallel groups), rank 0 also the rest of the
     // model; then rank 0 collects the others' experts over the expert-parallel group.
-    const std::vector<int> members = expert_parallel->ranks();
+    const std::vector<int> members = expert_parallel.ranks();
     const bool holds_rank0 = std::find(members.begin(), members.end(), 0) != members.end();
     std::set<std::string> experts;
     for (const auto& [prefix, module] : named_experts(model)) {
@@ -268,7 +271,7 @@ void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
         if (needed(item.key())) local[item.key()] = item.value().detach();
       }
     }
-    if (holds_rank0) tensors = gather_experts(model, std::move(local), *expert_parallel);
+    if (holds_rank0) tensors = gather_experts(model, std::move(local), expert_parallel);
   } else if (plan && plan->size() > 1) {
     // Each tensor-parallel rank of the group holding rank 0 gathers its own part whole, then
     // the parts are joined into the HF layout on rank 0.
@@ -334,7 +337,11 @@ CausalLM load_pretrained(const std::filesystem::path& dir) {
   return model;
 }
 
-void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::path& dir) {
+namespace {
+
+// load_checkpoint_sharded, through `plan` when the model is split over a tensor-parallel group.
+void load_sharded(torch::nn::Module& model, const TensorParallelPlan* plan,
+                  const std::filesystem::path& dir) {
   // A copy into a meta tensor does nothing, silently: the model would keep no values at all.
   for (const auto& item : model.named_parameters()) {
     if (item.value().is_meta()) {
@@ -388,7 +395,9 @@ void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::pa
   bool split_experts = false;
   if (causal_lm != nullptr) {
     for (const auto& layer : causal_lm->model->decoder_layers) {
-      split_experts = split_experts || (layer->moe && layer->moe->experts->expert_parallel);
+      split_experts =
+          split_experts || (layer->moe && static_cast<int64_t>(layer->moe->experts->local.size()) !=
+                                              layer->moe->experts->num_experts);
     }
   }
   if (split_experts) {
@@ -420,36 +429,51 @@ void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::pa
     checkpoint.release_pages(name);
     return own;
   };
-  if (causal_lm != nullptr && causal_lm->tensor_parallel) {
-    load_state_dict_by_rows(model, causal_lm->tensor_parallel->local_source(std::move(source)));
+  if (plan != nullptr) {
+    load_state_dict_by_rows(model, plan->local_source(std::move(source)));
   } else {
     load_state_dict_by_rows(model, source);
   }
 }
 
-CausalLM load_pretrained_fsdp2(const std::filesystem::path& dir, const Fsdp2LoadOptions& options) {
-  CausalLM model{nullptr};
+}  // namespace
+
+void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::path& dir) {
+  const auto* causal_lm = dynamic_cast<const CausalLMImpl*>(&model);
+  if (causal_lm != nullptr &&
+      causal_lm->model->embed_tokens->options.num_embeddings() != causal_lm->config.vocab_size) {
+    throw Error(
+        "mdist: load_checkpoint_sharded: the model is split over a tensor-parallel "
+        "group; pass the Parallelism apply_parallelism returned");
+  }
+  load_sharded(model, nullptr, dir);
+}
+
+void load_checkpoint_sharded(CausalLM& model, const Parallelism& parallelism,
+                             const std::filesystem::path& dir) {
+  load_sharded(*model, parallelism.tensor_parallel.get(), dir);
+}
+
+ParallelModel load_pretrained_fsdp2(const std::filesystem::path& dir,
+                                    const Fsdp2LoadOptions& options) {
+  ParallelModel model;
   std::exception_ptr failure;
   try {
     CausalLM built(LlamaConfig::from_file((dir / "config.json").string()), c10::kMeta);
-    if (options.parallel.tensor_parallel_group.world_size() > 1) {
-      parallelize(built, options.parallel);
+    if (options.parallel.expert_model_parallel_group.world_size() > 1 &&
+        !options.expert_data_parallel) {
+      throw Error(
+          "mdist: load_pretrained_fsdp2: an expert-parallel layout needs "
+          "Fsdp2LoadOptions::expert_data_parallel (make_expert_data_parallel_group)");
     }
-    if (options.parallel.expert_model_parallel_group.world_size() > 1) {
-      if (!options.expert_data_parallel) {
-        throw Error(
-            "mdist: load_pretrained_fsdp2: an expert-parallel layout needs "
-            "Fsdp2LoadOptions::expert_data_parallel (make_expert_data_parallel_group)");
-      }
-      parallelize_experts(built, options.parallel.expert_model_parallel_group.group());
-      shard_experts(built, *options.expert_data_parallel,
-                    options.parallel.data_parallel_group.world_size(), options.mp_policy,
-                    options.cpu_offload);
-    }
-    fsdp2_wrap(*built, options.shard_root, options.mp_policy, options.cpu_offload,
-               options.parallel.data_parallel_group.group());
-    load_checkpoint_sharded(*built, dir);
-    model = std::move(built);
+    const Parallelism parallelism =
+        apply_parallelism(built, {options.parallel, options.expert_data_parallel},
+                          {.fsdp = true,
+                           .shard_root = options.shard_root,
+                           .mp_policy = options.mp_policy,
+                           .cpu_offload = options.cpu_offload});
+    load_checkpoint_sharded(built, parallelism, dir);
+    model = {std::move(built), parallelism};
   } catch (...) {
     failure = std::current_exception();
   }

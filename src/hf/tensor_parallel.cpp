@@ -13,7 +13,6 @@
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/fsdp/state_dict.h"
-#include "mdist/hf/expert_parallel.h"
 #include "mdist/nn/hooks.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/c10d.h"
@@ -52,10 +51,11 @@ std::vector<int64_t> TensorParallelPlacement::local_shape() const {
 
 TensorParallelPlan::TensorParallelPlan(Group group, int64_t vocab_size,
                                        std::map<std::string, TensorParallelPlacement> placements,
-                                       bool holds_global_rank0)
+                                       bool holds_global_rank0, tp::Counters counters)
     : group_(std::move(group)),
       placements_(std::move(placements)),
-      holds_global_rank0_(holds_global_rank0) {
+      holds_global_rank0_(holds_global_rank0),
+      counters_(counters ? std::move(counters) : std::make_shared<tp::CommCounters>()) {
   vocab_start_ = size() > 1 ? rank() * (vocab_size / size()) : 0;
 }
 
@@ -72,12 +72,12 @@ TensorParallelPlacement TensorParallelPlan::placement(const std::string& name) c
 
 at::Tensor TensorParallelPlan::loss(const at::Tensor& logits, const at::Tensor& labels) const {
   if (size() == 1) return causal_lm_loss(logits, labels);
-  return tp::vocab_parallel_causal_lm_loss(logits, labels, group_, vocab_start_);
+  return tp::vocab_parallel_causal_lm_loss(logits, labels, group_, vocab_start_, counters_);
 }
 
 at::Tensor TensorParallelPlan::full_logits(const at::Tensor& logits) const {
   if (size() == 1) return logits;
-  return tp::gather_from_group(logits, group_, -1);
+  return tp::gather_from_group(logits, group_, -1, counters_);
 }
 
 RowSource TensorParallelPlan::local_source(RowSource full) const {
@@ -186,8 +186,203 @@ void check_tensor_parallel_split(const LlamaConfig& c, int t) {
   }
 }
 
+namespace {
+
+// This rank's share of the split (Megatron's: rank r holds the r-th part of every split
+// dimension), and the groups it needs.
+struct TpSplit {
+  Group tp;
+  int t = 1;                // ranks
+  int r = 0;                // this rank
+  bool holds_rank0 = true;  // this tensor-parallel group holds global rank 0
+  int64_t head_dim = 0;
+  int64_t heads = 0;           // query heads here
+  int64_t kv = 0;              // KV heads of the model
+  bool replicated_kv = false;  // fewer KV heads than ranks: each held by `replicas` ranks
+  int64_t replicas = 1;
+  int64_t kv_local = 0;    // KV heads here
+  int64_t kv_first = 0;    // the first KV head held
+  Group kv_group;          // the ranks sharing this rank's KV head (tp when not replicated)
+  bool primary_kv = true;  // the first of them
+  int64_t vocab_part = 0;
+  int64_t intermediate = 0;  // here
+};
+
+// Every tensor-parallel group, in the same order on every rank (for new_group). Collective.
+std::vector<std::vector<int>> all_tensor_parallel_groups(const std::vector<int>& mine) {
+  std::vector<std::vector<int>> groups;
+  for (auto& ranks : allgather(mine)) {
+    if (std::find(groups.begin(), groups.end(), ranks) == groups.end()) groups.push_back(ranks);
+  }
+  std::sort(groups.begin(), groups.end());
+  return groups;
+}
+
+// The split of `c` over `tp` (t > 1 ranks). Collective over the world: it learns every
+// tensor-parallel group and, with replicated KV heads, makes the groups of the ranks sharing
+// one (every rank makes every such group, in order).
+TpSplit split_of(const LlamaConfig& c, const Group& tp, int t) {
+  TpSplit s;
+  s.tp = tp;
+  s.t = t;
+  s.r = rank(tp);
+  const std::vector<int> mine = tp.ranks();
+  const auto groups = all_tensor_parallel_groups(mine);
+  s.holds_rank0 = std::find(mine.begin(), mine.end(), 0) != mine.end();
+  s.head_dim = c.head_dim;
+  s.heads = c.num_attention_heads / t;
+  s.kv = c.num_key_value_heads;
+  s.replicated_kv = s.kv < t;
+  s.replicas = s.replicated_kv ? t / s.kv : 1;
+  s.kv_local = s.replicated_kv ? 1 : s.kv / t;
+  s.kv_first = s.replicated_kv ? (s.r / s.replicas) : s.r * s.kv_local;
+  s.primary_kv = !s.replicated_kv || s.r % s.replicas == 0;
+  s.vocab_part = c.vocab_size / t;
+  s.intermediate = c.intermediate_size / t;
+  s.kv_group = tp;
+  if (s.replicated_kv) {
+    for (const auto& ranks : groups) {
+      for (int64_t head = 0; head < s.kv; ++head) {
+        std::vector<int> sharing(ranks.begin() + head * s.replicas,
+                                 ranks.begin() + (head + 1) * s.replicas);
+        Group made = new_group(sharing);
+        if (made.is_member()) s.kv_group = made;
+      }
+    }
+  }
+  return s;
+}
+
+// Cuts modules to this rank's part and records each parameter's placement.
+class PlanBuilder {
+ public:
+  PlanBuilder(const TpSplit& split, tp::Counters counters)
+      : s_(split), counters_(std::move(counters)) {}
+
+  void rows_of(const std::string& name, const at::Tensor& param, int64_t offset, int64_t length,
+               bool primary) {
+    TensorParallelPlacement p;
+    p.split = Split::kRows;
+    p.offset = offset;
+    p.length = length;
+    p.full_shape = param.sizes().vec();
+    p.primary = primary;
+    placements[name] = p;
+  }
+  void columns_of(const std::string& name, const at::Tensor& param) {
+    TensorParallelPlacement p;
+    p.split = Split::kColumns;
+    p.full_shape = param.sizes().vec();
+    p.length = p.full_shape.at(1) / s_.t;
+    p.offset = s_.r * p.length;
+    placements[name] = p;
+  }
+  void replicated(const std::string& name, const at::Tensor& param) {
+    TensorParallelPlacement p;
+    p.full_shape = param.sizes().vec();
+    p.length = p.full_shape.empty() ? 1 : p.full_shape[0];
+    p.primary = s_.r == 0;
+    placements[name] = p;
+  }
+  void column(const std::string& name, torch::nn::Linear& linear, int64_t offset, int64_t length,
+              bool primary, bool copy_input) {
+    rows_of(name + ".weight", linear->weight, offset, length, primary);
+    if (linear->bias.defined()) rows_of(name + ".bias", linear->bias, offset, length, primary);
+    tp::parallelize_column(
+        *linear, s_.tp,
+        {.copy_input = copy_input, .rows = tp::RowRange{offset, length}, .counters = counters_});
+  }
+  void row(const std::string& name, torch::nn::Linear& linear) {
+    columns_of(name + ".weight", linear->weight);
+    if (linear->bias.defined()) replicated(name + ".bias", linear->bias);
+    tp::parallelize_row(*linear, s_.tp, counters_);
+  }
+  // The input of q/k/v (and of gate/up) is copied to the group once, at the block's entry, so
+  // that its gradient is all-reduced once rather than once per projection.
+  void copy_first_input(torch::nn::Module& module) {
+    nn::register_forward_pre_hook(
+        module, [tp = s_.tp, counters = counters_](torch::nn::Module&, nn::TensorRefs& inputs) {
+          if (!inputs.empty()) *inputs.front() = tp::copy_to_group(*inputs.front(), tp, counters);
+        });
+  }
+  void sum_gradients_over(const at::Tensor& param, const Group& group) {
+    tp::sum_gradients_over(param, group, counters_);
+  }
+  const tp::Counters& counters() const { return counters_; }
+
+  std::map<std::string, TensorParallelPlacement> placements;
+
+ private:
+  const TpSplit& s_;
+  tp::Counters counters_;
+};
+
+// q/k/v column-parallel by heads (KV heads replicated when fewer than ranks), o row-parallel.
+void split_attention(PlanBuilder& plan, const TpSplit& s, AttentionImpl& attn,
+                     const std::string& prefix) {
+  const int64_t hd = s.head_dim;
+  plan.column(prefix + "q_proj", attn.q_proj, s.r * s.heads * hd, s.heads * hd, true, false);
+  plan.column(prefix + "k_proj", attn.k_proj, s.kv_first * hd, s.kv_local * hd, s.primary_kv,
+              false);
+  plan.column(prefix + "v_proj", attn.v_proj, s.kv_first * hd, s.kv_local * hd, s.primary_kv,
+              false);
+  if (s.replicated_kv) {
+    for (auto* linear : {&attn.k_proj, &attn.v_proj}) {
+      plan.sum_gradients_over((*linear)->weight, s.kv_group);
+      if ((*linear)->bias.defined()) plan.sum_gradients_over((*linear)->bias, s.kv_group);
+    }
+  }
+  plan.row(prefix + "o_proj", attn.o_proj);
+  if (attn.q_norm) {
+    // Each rank normalises its own heads with the shared weight: its gradient is a sum over
+    // the ranks.
+    plan.replicated(prefix + "q_norm.weight", attn.q_norm->weight);
+    plan.replicated(prefix + "k_norm.weight", attn.k_norm->weight);
+    plan.sum_gradients_over(attn.q_norm->weight, s.tp);
+    plan.sum_gradients_over(attn.k_norm->weight, s.tp);
+  }
+  attn.heads = s.heads;
+  attn.kv_heads = s.kv_local;
+  plan.copy_first_input(attn);
+}
+
+// gate/up column-parallel, down row-parallel (the intermediate size split).
+void split_mlp(PlanBuilder& plan, const TpSplit& s, MLPImpl& mlp, const std::string& prefix) {
+  plan.column(prefix + "gate_proj", mlp.gate_proj, s.r * s.intermediate, s.intermediate, true,
+              false);
+  plan.column(prefix + "up_proj", mlp.up_proj, s.r * s.intermediate, s.intermediate, true, false);
+  plan.row(prefix + "down_proj", mlp.down_proj);
+  plan.copy_first_input(mlp);
+}
+
+// The embedding vocab-parallel, the head column-parallel over the vocabulary (not gathered),
+// the final norm replicated.
+void split_ends(PlanBuilder& plan, const TpSplit& s, CausalLMImpl& model) {
+  DecoderModelImpl& body = *model.model;
+  plan.rows_of("model.embed_tokens.weight", body.embed_tokens->weight, s.r * s.vocab_part,
+               s.vocab_part, true);
+  tp::parallelize_vocab_embedding(*body.embed_tokens, s.tp, plan.counters());
+  plan.replicated("model.norm.weight", body.norm->weight);
+  if (model.lm_head) {
+    plan.column("lm_head", model.lm_head, s.r * s.vocab_part, s.vocab_part, true, true);
+    return;
+  }
+  // Tied: the head is at::linear(h, embed_tokens.weight) on this rank's vocabulary rows; the
+  // final norm's output is its input, copied to the group there.
+  nn::register_forward_hook(*body.norm, [tp = s.tp, counters = plan.counters()](
+                                            torch::nn::Module&, nn::TensorRefs& outputs) {
+    if (!outputs.empty()) *outputs.front() = tp::copy_to_group(*outputs.front(), tp, counters);
+  });
+}
+
+}  // namespace
+
+bool is_tensor_parallel_split(const CausalLM& model) {
+  return model->model->embed_tokens->options.num_embeddings() != model->config.vocab_size;
+}
+
 std::shared_ptr<const TensorParallelPlan> parallelize(CausalLM& model, const ParallelState& state) {
-  if (model->tensor_parallel) {
+  if (is_tensor_parallel_split(model)) {
     throw Error("mdist: hf::parallelize: the model is already split over a tensor-parallel group");
   }
   if (is_fsdp2_model(*model)) {
@@ -197,185 +392,28 @@ std::shared_ptr<const TensorParallelPlan> parallelize(CausalLM& model, const Par
   }
   const Group tp = state.tensor_parallel_group.group();
   const int t = tp.is_not_used() ? 1 : size(tp);
-  const int r = tp.is_not_used() ? 0 : rank(tp);
   const LlamaConfig& c = model->config;
   check_tensor_parallel_split(c, t);
-  std::map<std::string, TensorParallelPlacement> placements;
   if (t == 1) {
-    auto plan = std::make_shared<const TensorParallelPlan>(tp, c.vocab_size, placements, true);
-    model->tensor_parallel = plan;
-    return plan;
+    return std::make_shared<const TensorParallelPlan>(
+        tp, c.vocab_size, std::map<std::string, TensorParallelPlacement>{}, true);
   }
-
-  // Every tensor-parallel group, in the same order on every rank (for new_group and for
-  // knowing whether this group holds global rank 0).
-  const std::vector<int> mine = tp.ranks();
-  std::vector<std::vector<int>> groups;
-  for (auto& ranks : allgather(mine)) {
-    if (std::find(groups.begin(), groups.end(), ranks) == groups.end()) groups.push_back(ranks);
-  }
-  std::sort(groups.begin(), groups.end());
-  const bool holds_rank0 = std::find(mine.begin(), mine.end(), 0) != mine.end();
-
-  const int64_t hd = c.head_dim;
-  const int64_t heads = c.num_attention_heads / t;
-  const int64_t kv = c.num_key_value_heads;
-  const bool replicated_kv = kv < t;
-  const int64_t replicas = replicated_kv ? t / kv : 1;
-  const int64_t kv_local = replicated_kv ? 1 : kv / t;
-  const int64_t kv_first = replicated_kv ? (r / replicas) : r * kv_local;  // first KV head held
-  // The ranks that share this rank's KV head, as a group of their own (collective: every
-  // rank makes every such group, in order).
-  Group kv_group = tp;
-  if (replicated_kv) {
-    for (const auto& ranks : groups) {
-      for (int64_t head = 0; head < kv; ++head) {
-        std::vector<int> sharing(ranks.begin() + head * replicas,
-                                 ranks.begin() + (head + 1) * replicas);
-        Group made = new_group(sharing);
-        if (made.is_member()) kv_group = made;
-      }
-    }
-  }
-
-  const auto rows_of = [&](const std::string& name, const at::Tensor& param, int64_t offset,
-                           int64_t length, bool primary) {
-    TensorParallelPlacement p;
-    p.split = Split::kRows;
-    p.offset = offset;
-    p.length = length;
-    p.full_shape = param.sizes().vec();
-    p.primary = primary;
-    placements[name] = p;
-  };
-  const auto columns_of = [&](const std::string& name, const at::Tensor& param) {
-    TensorParallelPlacement p;
-    p.split = Split::kColumns;
-    p.full_shape = param.sizes().vec();
-    p.length = p.full_shape.at(1) / t;
-    p.offset = r * p.length;
-    placements[name] = p;
-  };
-  const auto replicated = [&](const std::string& name, const at::Tensor& param) {
-    TensorParallelPlacement p;
-    p.full_shape = param.sizes().vec();
-    p.length = p.full_shape.empty() ? 1 : p.full_shape[0];
-    p.primary = r == 0;
-    placements[name] = p;
-  };
-  const auto column = [&](const std::string& name, torch::nn::Linear& linear, int64_t offset,
-                          int64_t length, bool primary, bool copy_input) {
-    rows_of(name + ".weight", linear->weight, offset, length, primary);
-    if (linear->bias.defined()) rows_of(name + ".bias", linear->bias, offset, length, primary);
-    tp::parallelize_column(*linear, tp,
-                           {.copy_input = copy_input, .rows = tp::RowRange{offset, length}});
-  };
-  const auto row = [&](const std::string& name, torch::nn::Linear& linear) {
-    columns_of(name + ".weight", linear->weight);
-    if (linear->bias.defined()) replicated(name + ".bias", linear->bias);
-    tp::parallelize_row(*linear, tp);
-  };
-  // The input of q/k/v (and of gate/up) is copied to the group once, at the block's entry, so
-  // that its gradient is all-reduced once rather than once per projection.
-  const auto copy_first_input = [tp](torch::nn::Module& module) {
-    nn::register_forward_pre_hook(module, [tp](torch::nn::Module&, nn::TensorRefs& inputs) {
-      if (!inputs.empty()) *inputs.front() = tp::copy_to_group(*inputs.front(), tp);
-    });
-  };
-
+  const TpSplit split = split_of(c, tp, t);
+  auto counters = std::make_shared<tp::CommCounters>();
+  PlanBuilder plan(split, counters);
+  split_ends(plan, split, *model);
   DecoderModelImpl& body = *model->model;
-  const int64_t vocab_part = c.vocab_size / t;
-  rows_of("model.embed_tokens.weight", body.embed_tokens->weight, r * vocab_part, vocab_part, true);
-  tp::parallelize_vocab_embedding(*body.embed_tokens, tp);
   for (std::size_t i = 0; i < body.decoder_layers.size(); ++i) {
     DecoderLayerImpl& layer = *body.decoder_layers[i];
     const std::string prefix = "model.layers." + std::to_string(i) + ".";
-    AttentionImpl& attn = *layer.self_attn;
-    const bool primary_kv = !replicated_kv || r % replicas == 0;
-    column(prefix + "self_attn.q_proj", attn.q_proj, r * heads * hd, heads * hd, true, false);
-    column(prefix + "self_attn.k_proj", attn.k_proj, kv_first * hd, kv_local * hd, primary_kv,
-           false);
-    column(prefix + "self_attn.v_proj", attn.v_proj, kv_first * hd, kv_local * hd, primary_kv,
-           false);
-    if (replicated_kv) {
-      for (auto* linear : {&attn.k_proj, &attn.v_proj}) {
-        tp::sum_gradients_over((*linear)->weight, kv_group);
-        if ((*linear)->bias.defined()) tp::sum_gradients_over((*linear)->bias, kv_group);
-      }
-    }
-    row(prefix + "self_attn.o_proj", attn.o_proj);
-    if (attn.q_norm) {
-      // Each rank normalises its own heads with the shared weight: its gradient is a sum
-      // over the ranks.
-      replicated(prefix + "self_attn.q_norm.weight", attn.q_norm->weight);
-      replicated(prefix + "self_attn.k_norm.weight", attn.k_norm->weight);
-      tp::sum_gradients_over(attn.q_norm->weight, tp);
-      tp::sum_gradients_over(attn.k_norm->weight, tp);
-    }
-    attn.heads = heads;
-    attn.kv_heads = kv_local;
-    copy_first_input(attn);
-    MLPImpl& mlp = *layer.mlp;
-    const int64_t inter = c.intermediate_size / t;
-    column(prefix + "mlp.gate_proj", mlp.gate_proj, r * inter, inter, true, false);
-    column(prefix + "mlp.up_proj", mlp.up_proj, r * inter, inter, true, false);
-    row(prefix + "mlp.down_proj", mlp.down_proj);
-    copy_first_input(mlp);
-    replicated(prefix + "input_layernorm.weight", layer.input_layernorm->weight);
-    replicated(prefix + "post_attention_layernorm.weight", layer.post_attention_layernorm->weight);
+    split_attention(plan, split, *layer.self_attn, prefix + "self_attn.");
+    split_mlp(plan, split, *layer.mlp, prefix + "mlp.");
+    plan.replicated(prefix + "input_layernorm.weight", layer.input_layernorm->weight);
+    plan.replicated(prefix + "post_attention_layernorm.weight",
+                    layer.post_attention_layernorm->weight);
   }
-  replicated("model.norm.weight", body.norm->weight);
-  if (model->lm_head) {
-    column("lm_head", model->lm_head, r * vocab_part, vocab_part, true, true);
-  } else {
-    // Tied: the head is at::linear(h, embed_tokens.weight) on this rank's vocabulary rows; the
-    // final norm's output is its input, copied to the group there.
-    nn::register_forward_hook(*body.norm, [tp](torch::nn::Module&, nn::TensorRefs& outputs) {
-      if (!outputs.empty()) *outputs.front() = tp::copy_to_group(*outputs.front(), tp);
-    });
-  }
-  auto plan = std::make_shared<const TensorParallelPlan>(tp, c.vocab_size, std::move(placements),
-                                                         holds_rank0);
-  model->tensor_parallel = plan;
-  return plan;
-}
-
-at::Tensor causal_lm_loss(const CausalLM& model, const at::Tensor& logits,
-                          const at::Tensor& labels) {
-  if (model->tensor_parallel) return model->tensor_parallel->loss(logits, labels);
-  return causal_lm_loss(logits, labels);
-}
-
-at::Tensor full_logits(const CausalLM& model, const at::Tensor& logits) {
-  return model->tensor_parallel ? model->tensor_parallel->full_logits(logits) : logits;
-}
-
-double clip_grad_norm_(CausalLM& model, double max_norm, double norm_type) {
-  const auto& plan = model->tensor_parallel;
-  // Expert parallelism: every shard counts where it is (the experts' rows are spread over their
-  // expert-data-parallel groups, the rest over data parallel, which is the world: expert
-  // parallelism excludes tensor parallelism), each rank's experts being its own; a whole
-  // parameter counts on one rank: an expert on the first of the ranks holding it, anything
-  // else (an fp32 router fsdp2_wrap keeps whole, or a model without units) on rank 0.
-  if (const auto experts = split_expert_parameters(model); !experts.empty()) {
-    std::map<std::string, bool> counted;
-    for (const auto& [name, place] : param_placements(*model)) {
-      const auto expert = experts.find(name);
-      counted[name] = place.sharded || (expert != experts.end() ? expert->second : is_master());
-    }
-    GradNormScope scope;
-    scope.counted = [counted = std::move(counted)](const std::string& name) {
-      const auto it = counted.find(name);
-      return it == counted.end() || it->second;
-    };
-    scope.group = Group::world();
-    return mdist::clip_grad_norm_(*model, max_norm, norm_type, scope);
-  }
-  if (!plan || plan->size() == 1) return mdist::clip_grad_norm_(*model, max_norm, norm_type);
-  GradNormScope scope;
-  scope.counted = [&plan](const std::string& name) { return plan->placement(name).primary; };
-  scope.group = is_fsdp2_model(*model) ? Group::world() : plan->group();
-  return mdist::clip_grad_norm_(*model, max_norm, norm_type, scope);
+  return std::make_shared<const TensorParallelPlan>(tp, c.vocab_size, std::move(plan.placements),
+                                                    split.holds_rank0, std::move(counters));
 }
 
 }  // namespace mdist::hf

@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
-#include <atomic>
 #include <functional>
 #include <string>
 #include <utility>
@@ -17,9 +16,6 @@
 
 namespace mdist::tp {
 namespace {
-
-std::atomic<int64_t> all_reduce_bytes{0};
-std::atomic<int64_t> all_gather_bytes{0};
 
 using nn::detail::with_backward;
 
@@ -43,14 +39,14 @@ int64_t normalise_dim(const at::Tensor& t, int64_t dim, const char* op) {
   return dim < 0 ? dim + rank : dim;
 }
 
-at::Tensor summed(const at::Tensor& t, const Group& group, const char* op) {
+at::Tensor summed(const at::Tensor& t, const Group& group, const Counters& counters) {
   at::Tensor out = t.detach().contiguous().clone();
-  all_reduce_(out, group, "sum");
-  (void)op;
+  all_reduce_(out, group, "sum", counters);
   return out;
 }
 
-at::Tensor gathered(const at::Tensor& t, const Group& group, int64_t dim) {
+at::Tensor gathered(const at::Tensor& t, const Group& group, int64_t dim,
+                    const Counters& counters) {
   const int world = size(group);
   at::Tensor local = t.detach().contiguous();
   // all_gather_single along dim 0 of a [world, ...] buffer, then moved to `dim`.
@@ -58,7 +54,7 @@ at::Tensor gathered(const at::Tensor& t, const Group& group, int64_t dim) {
   shape.insert(shape.begin(), world);
   at::Tensor flat = local.view({-1});
   at::Tensor out = at::empty({world * local.numel()}, local.options());
-  all_gather_bytes += local.numel() * local.element_size();
+  if (counters) counters->add_all_gather(local.numel() * local.element_size());
   mdist::wait(process_group(group)->all_gather_single(out, flat), group, "tp::gather_from_group");
   out = out.view(shape);
   // [world, ..., d, ...] -> [..., world * d, ...]
@@ -78,16 +74,7 @@ at::Tensor own_slice(const at::Tensor& t, const Group& group, int64_t dim, const
 
 }  // namespace
 
-CommunicationBytes communication_bytes() {
-  return {all_reduce_bytes.load(), all_gather_bytes.load()};
-}
-
-void reset_communication_bytes() {
-  all_reduce_bytes = 0;
-  all_gather_bytes = 0;
-}
-
-void all_reduce_(at::Tensor& tensor, const Group& group, const char* op) {
+void all_reduce_(at::Tensor& tensor, const Group& group, const char* op, const Counters& counters) {
   if (trivial(group)) return;
   const std::string name = op;
   c10d::AllreduceOptions options;
@@ -101,48 +88,54 @@ void all_reduce_(at::Tensor& tensor, const Group& group, const char* op) {
   if (!tensor.is_contiguous()) {
     throw Error("mdist::tp::all_reduce_: the tensor must be contiguous");
   }
-  all_reduce_bytes += tensor.numel() * tensor.element_size();
+  if (counters) counters->add_all_reduce(tensor.numel() * tensor.element_size());
   std::vector<at::Tensor> tensors{tensor};
   mdist::wait(process_group(group)->allreduce(tensors, options), group, "tp::all_reduce");
 }
 
-at::Tensor copy_to_group(const at::Tensor& input, const Group& group) {
+at::Tensor copy_to_group(const at::Tensor& input, const Group& group, const Counters& counters) {
   if (trivial(group)) return input;
-  return with_backward(input, input.tensor_data(), "mdist::tp::CopyToGroupBackward",
-                       [group](const at::Tensor& grad) { return summed(grad, group, "copy"); });
+  return with_backward(
+      input, input.tensor_data(), "mdist::tp::CopyToGroupBackward",
+      [group, counters](const at::Tensor& grad) { return summed(grad, group, counters); });
 }
 
-at::Tensor reduce_from_group(const at::Tensor& input, const Group& group) {
+at::Tensor reduce_from_group(const at::Tensor& input, const Group& group,
+                             const Counters& counters) {
   if (trivial(group)) return input;
-  return with_backward(input, summed(input, group, "reduce"), "mdist::tp::ReduceFromGroupBackward",
+  return with_backward(input, summed(input, group, counters), "mdist::tp::ReduceFromGroupBackward",
                        [](const at::Tensor& grad) { return grad; });
 }
 
-at::Tensor gather_from_group(const at::Tensor& input, const Group& group, int64_t dim) {
+at::Tensor gather_from_group(const at::Tensor& input, const Group& group, int64_t dim,
+                             const Counters& counters) {
   dim = normalise_dim(input, dim, "gather_from_group");
   if (trivial(group)) return input;
-  return with_backward(input, gathered(input, group, dim), "mdist::tp::GatherFromGroupBackward",
-                       [group, dim](const at::Tensor& grad) {
+  return with_backward(input, gathered(input, group, dim, counters),
+                       "mdist::tp::GatherFromGroupBackward", [group, dim](const at::Tensor& grad) {
                          return own_slice(grad, group, dim, "gather_from_group");
                        });
 }
 
-at::Tensor scatter_to_group(const at::Tensor& input, const Group& group, int64_t dim) {
+at::Tensor scatter_to_group(const at::Tensor& input, const Group& group, int64_t dim,
+                            const Counters& counters) {
   dim = normalise_dim(input, dim, "scatter_to_group");
   if (trivial(group)) return input;
   return with_backward(input, own_slice(input, group, dim, "scatter_to_group"),
                        "mdist::tp::ScatterToGroupBackward",
-                       [group, dim](const at::Tensor& grad) { return gathered(grad, group, dim); });
+                       [group, dim, counters](const at::Tensor& grad) {
+                         return gathered(grad, group, dim, counters);
+                       });
 }
 
-void sum_gradients_over(const at::Tensor& param, const Group& group) {
+void sum_gradients_over(const at::Tensor& param, const Group& group, const Counters& counters) {
   if (!param.is_leaf()) {
     throw Error("mdist::tp::sum_gradients_over: the tensor must be a leaf (a parameter)");
   }
   if (trivial(group)) return;
   // The hook's result replaces the gradient before it is accumulated.
   const_cast<at::Tensor&>(param).register_hook(
-      [group](const at::Tensor& grad) { return summed(grad, group, "sum_gradients"); });
+      [group, counters](const at::Tensor& grad) { return summed(grad, group, counters); });
 }
 
 }  // namespace mdist::tp

@@ -51,7 +51,8 @@ struct Forward {
 };
 
 Forward forward(const at::Tensor& logits, const at::Tensor& labels, const Group& group,
-                int64_t vocab_start, int64_t ignore_index, const char* op) {
+                int64_t vocab_start, int64_t ignore_index, const char* op,
+                const Counters& counters) {
   if (logits.dim() != 2 || labels.dim() != 1 || logits.size(0) != labels.size(0)) {
     throw Error(std::string("mdist::tp::") + op + ": logits " + shape_of(logits) + " and labels " +
                 shape_of(labels) + " are not [N, V / T] and [N]");
@@ -73,7 +74,7 @@ Forward forward(const at::Tensor& logits, const at::Tensor& labels, const Group&
   f.local_target = at::where(f.on_rank, target - vocab_start, at::zeros_like(target));
   // The row maxima over the whole vocabulary, for a stable exponent.
   at::Tensor max = std::get<0>(z.max(1)).contiguous();
-  all_reduce_(max, group, "max");
+  all_reduce_(max, group, "max", counters);
   const at::Tensor shifted = z - max.unsqueeze(1);
   f.exp = shifted.exp();
   // Sum of exponentials and the target's shifted logit (on the rank that has it), in one
@@ -81,7 +82,7 @@ Forward forward(const at::Tensor& logits, const at::Tensor& labels, const Group&
   const at::Tensor picked = shifted.gather(1, f.local_target.unsqueeze(1)).squeeze(1);
   at::Tensor packed =
       at::stack({f.exp.sum(1), at::where(f.on_rank, picked, at::zeros_like(picked))}).contiguous();
-  all_reduce_(packed, group, "sum");
+  all_reduce_(packed, group, "sum", counters);
   f.sum_exp = packed[0];
   // -log softmax[target]
   f.per_token = at::where(f.valid, f.sum_exp.log() - packed[1], at::zeros_like(picked));
@@ -92,16 +93,17 @@ Forward forward(const at::Tensor& logits, const at::Tensor& labels, const Group&
 
 at::Tensor vocab_parallel_token_losses(const at::Tensor& logits, const at::Tensor& labels,
                                        const Group& group, int64_t vocab_start,
-                                       int64_t ignore_index) {
-  return forward(logits, labels, group, vocab_start, ignore_index, "vocab_parallel_token_losses")
+                                       int64_t ignore_index, const Counters& counters) {
+  return forward(logits, labels, group, vocab_start, ignore_index, "vocab_parallel_token_losses",
+                 counters)
       .per_token;
 }
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
                                         const Group& group, int64_t vocab_start,
-                                        int64_t ignore_index) {
-  const Forward f =
-      forward(logits, labels, group, vocab_start, ignore_index, "vocab_parallel_cross_entropy");
+                                        int64_t ignore_index, const Counters& counters) {
+  const Forward f = forward(logits, labels, group, vocab_start, ignore_index,
+                            "vocab_parallel_cross_entropy", counters);
   // Every label ignored: weight is 0 / 0 and the loss NaN, as torch's mean reduction gives.
   const at::Tensor weight = f.valid.to(at::kFloat) / f.valid.sum().to(at::kFloat);
   at::Tensor loss = (f.per_token * weight).sum();
@@ -120,7 +122,8 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 }
 
 at::Tensor vocab_parallel_causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels,
-                                         const Group& group, int64_t vocab_start) {
+                                         const Group& group, int64_t vocab_start,
+                                         const Counters& counters) {
   if (logits.dim() != 3 || labels.dim() != 2 || logits.size(0) != labels.size(0) ||
       logits.size(1) != labels.size(1)) {
     throw Error("mdist::tp::vocab_parallel_causal_lm_loss: logits " + shape_of(logits) +
@@ -128,7 +131,8 @@ at::Tensor vocab_parallel_causal_lm_loss(const at::Tensor& logits, const at::Ten
   }
   const int64_t local_vocab = logits.size(2);
   return vocab_parallel_cross_entropy(logits.slice(1, 0, -1).reshape({-1, local_vocab}),
-                                      labels.slice(1, 1).reshape({-1}), group, vocab_start);
+                                      labels.slice(1, 1).reshape({-1}), group, vocab_start, -100,
+                                      counters);
 }
 
 }  // namespace mdist::tp

@@ -51,9 +51,9 @@ std::pair<at::Tensor, at::Tensor> local_ids(const at::Tensor& ids, int64_t start
   return {(ids - start).masked_fill(outside, 0), outside};
 }
 
-at::Tensor masked_reduce(const at::Tensor& looked_up, const at::Tensor& outside,
-                         const Group& group) {
-  return reduce_from_group(looked_up.masked_fill(outside.unsqueeze(-1), 0), group);
+at::Tensor masked_reduce(const at::Tensor& looked_up, const at::Tensor& outside, const Group& group,
+                         const Counters& counters) {
+  return reduce_from_group(looked_up.masked_fill(outside.unsqueeze(-1), 0), group, counters);
 }
 
 }  // namespace
@@ -89,27 +89,35 @@ void parallelize_column(torch::nn::LinearImpl& linear, const Group& group,
   cut(linear.weight, 0, rows);
   if (linear.bias.defined()) cut(linear.bias, 0, rows);
   linear.options.out_features(rows.count);
+  const Counters counters = options.counters;
   if (options.copy_input) {
-    nn::register_forward_pre_hook(linear, [group](torch::nn::Module&, nn::TensorRefs& inputs) {
-      if (!inputs.empty()) *inputs.front() = copy_to_group(*inputs.front(), group);
-    });
+    nn::register_forward_pre_hook(
+        linear, [group, counters](torch::nn::Module&, nn::TensorRefs& inputs) {
+          if (!inputs.empty()) *inputs.front() = copy_to_group(*inputs.front(), group, counters);
+        });
   }
   if (options.gather_output) {
-    nn::register_forward_hook(linear, [group](torch::nn::Module&, nn::TensorRefs& outputs) {
-      if (!outputs.empty()) *outputs.front() = gather_from_group(*outputs.front(), group, -1);
-    });
+    nn::register_forward_hook(
+        linear, [group, counters](torch::nn::Module&, nn::TensorRefs& outputs) {
+          if (!outputs.empty()) {
+            *outputs.front() = gather_from_group(*outputs.front(), group, -1, counters);
+          }
+        });
   }
 }
 
-void parallelize_row(torch::nn::LinearImpl& linear, const Group& group) {
+void parallelize_row(torch::nn::LinearImpl& linear, const Group& group, const Counters& counters) {
   check_not_split(linear.weight, "parallelize_row");
   const RowRange columns = even_part(linear.weight.size(1), group, "the input features");
   cut(linear.weight, 1, columns);
   linear.options.in_features(columns.count);
   if (!linear.bias.defined()) {
-    nn::register_forward_hook(linear, [group](torch::nn::Module&, nn::TensorRefs& outputs) {
-      if (!outputs.empty()) *outputs.front() = reduce_from_group(*outputs.front(), group);
-    });
+    nn::register_forward_hook(
+        linear, [group, counters](torch::nn::Module&, nn::TensorRefs& outputs) {
+          if (!outputs.empty()) {
+            *outputs.front() = reduce_from_group(*outputs.front(), group, counters);
+          }
+        });
     return;
   }
   // The bias is taken out of the module for its forward and added after the all-reduce, so it
@@ -121,12 +129,12 @@ void parallelize_row(torch::nn::LinearImpl& linear, const Group& group) {
     self.bias = at::Tensor();
   });
   nn::register_forward_hook(
-      linear, [held, group](torch::nn::Module& module, nn::TensorRefs& outputs) {
+      linear, [held, group, counters](torch::nn::Module& module, nn::TensorRefs& outputs) {
         auto& self = static_cast<torch::nn::LinearImpl&>(module);
         self.bias = *held;
         held->reset();
         if (outputs.empty()) return;
-        *outputs.front() = reduce_from_group(*outputs.front(), group) + self.bias;
+        *outputs.front() = reduce_from_group(*outputs.front(), group, counters) + self.bias;
       });
   nn::register_forward_error_hook(linear, [held](torch::nn::Module& module) {
     auto& self = static_cast<torch::nn::LinearImpl&>(module);
@@ -135,7 +143,8 @@ void parallelize_row(torch::nn::LinearImpl& linear, const Group& group) {
   });
 }
 
-void parallelize_vocab_embedding(torch::nn::EmbeddingImpl& embedding, const Group& group) {
+void parallelize_vocab_embedding(torch::nn::EmbeddingImpl& embedding, const Group& group,
+                                 const Counters& counters) {
   check_not_split(embedding.weight, "parallelize_vocab_embedding");
   const int64_t vocab = embedding.weight.size(0);
   const RowRange rows = even_part(vocab, group, "the vocabulary size");
@@ -158,12 +167,12 @@ void parallelize_vocab_embedding(torch::nn::EmbeddingImpl& embedding, const Grou
         *inputs.front() = std::move(ids);
         *outside = std::move(mask);
       });
-  nn::register_forward_hook(embedding,
-                            [outside, group](torch::nn::Module&, nn::TensorRefs& outputs) {
-                              if (outputs.empty()) return;
-                              *outputs.front() = masked_reduce(*outputs.front(), *outside, group);
-                              outside->reset();
-                            });
+  nn::register_forward_hook(
+      embedding, [outside, group, counters](torch::nn::Module&, nn::TensorRefs& outputs) {
+        if (outputs.empty()) return;
+        *outputs.front() = masked_reduce(*outputs.front(), *outside, group, counters);
+        outside->reset();
+      });
   nn::register_forward_error_hook(embedding, [outside](torch::nn::Module&) { outside->reset(); });
 }
 
@@ -180,8 +189,8 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t 
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
-  const at::Tensor out = at::linear(copy_to_group(input, group), weight, bias);
-  return gather_output ? gather_from_group(out, group, -1) : out;
+  const at::Tensor out = at::linear(copy_to_group(input, group, counters), weight, bias);
+  return gather_output ? gather_from_group(out, group, -1, counters) : out;
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(int64_t in_features, int64_t out_features,
@@ -196,8 +205,8 @@ RowParallelLinearImpl::RowParallelLinearImpl(int64_t in_features, int64_t out_fe
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
-  const at::Tensor x = input_is_parallel ? input : scatter_to_group(input, group, -1);
-  const at::Tensor out = reduce_from_group(at::linear(x, weight), group);
+  const at::Tensor x = input_is_parallel ? input : scatter_to_group(input, group, -1, counters);
+  const at::Tensor out = reduce_from_group(at::linear(x, weight), group, counters);
   return bias.defined() ? out + bias : out;
 }
 
@@ -211,7 +220,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t num_embeddings_,
 
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
   const auto [local, outside] = local_ids(ids, vocab_start, weight.size(0), num_embeddings);
-  return masked_reduce(at::embedding(weight, local), outside, group);
+  return masked_reduce(at::embedding(weight, local), outside, group, counters);
 }
 
 }  // namespace mdist::tp

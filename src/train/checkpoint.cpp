@@ -120,9 +120,11 @@ struct Block {
 // experts are not on every data-parallel rank).
 class FirstCopies {
  public:
-  FirstCopies(hf::CausalLM& model, const ParallelState& parallel)
+  FirstCopies(hf::CausalLM& model, const hf::Parallelism& parallelism,
+              const ParallelState& parallel)
       : dp_first_(mdist::rank(parallel.data_parallel_group.group()) <= 0),
-        split_experts_(hf::split_expert_parameters(model, parallel.data_parallel_group.group())) {}
+        split_experts_(hf::split_expert_parameters(model, parallelism.expert_parallel,
+                                                   parallel.data_parallel_group.group())) {}
   bool holds(const std::string& name) const {
     const auto it = split_experts_.find(name);
     return it != split_experts_.end() ? it->second : dp_first_;
@@ -133,11 +135,12 @@ class FirstCopies {
   std::map<std::string, bool> split_experts_;  // by name: whether this rank is their first
 };
 
-Block block_of(const std::string& name, const ParamPlacement& place, const hf::CausalLM& model,
-               const FirstCopies& first_copies) {
+Block block_of(const std::string& name, const ParamPlacement& place,
+               const hf::Parallelism& parallelism, const FirstCopies& first_copies) {
   Block block{place.row_offset, place.rows, 0, false};
   bool primary = true;
-  if (const auto& plan = model->tensor_parallel; plan && plan->size() > 1) {
+  if (parallelism.tensor_parallel_split()) {
+    const auto& plan = parallelism.tensor_parallel;
     const auto tp = plan->placement(name);
     primary = tp.primary;
     using Split = hf::TensorParallelPlacement::Split;
@@ -149,14 +152,15 @@ Block block_of(const std::string& name, const ParamPlacement& place, const hf::C
 }
 
 void write_optimizer_rows(const fs::path& file, hf::CausalLM& model,
-                          torch::optim::Optimizer& optimizer, const ParallelState& parallel) {
+                          const hf::Parallelism& parallelism, torch::optim::Optimizer& optimizer,
+                          const ParallelState& parallel) {
   std::map<std::string, at::Tensor> tensors;
   std::map<std::string, std::string> metadata{{"format", kOptimizerFormat},
                                               {"cpu_rng_state", cpu_rng_state()}};
   auto no_state = nlohmann::json::array();
-  const FirstCopies first_copies(model, parallel);
+  const FirstCopies first_copies(model, parallelism, parallel);
   for (const auto& [name, place] : param_placements(*model)) {
-    const Block block = block_of(name, place, model, first_copies);
+    const Block block = block_of(name, place, parallelism, first_copies);
     if (!block.writes) continue;
     const auto* state = adamw_state(optimizer, place.param);
     if (state == nullptr) {
@@ -420,6 +424,7 @@ void prune(const fs::path& dir, const std::string& current, int keep) {
 }  // namespace
 
 void save_training_checkpoint(const fs::path& run_dir, hf::CausalLM& model,
+                              const hf::Parallelism& parallelism,
                               torch::optim::Optimizer& optimizer, const TrainerState& state,
                               int keep, const ParallelState& parallel,
                               const std::vector<fs::path>& carried) {
@@ -460,9 +465,10 @@ void save_training_checkpoint(const fs::path& run_dir, hf::CausalLM& model,
   }
   agree();
   // save_pretrained gathers (collectively) before rank 0 writes, so every rank calls it.
-  attempt([&] { hf::save_pretrained(model, tmp); });
+  attempt([&] { hf::save_pretrained(model, parallelism, tmp); });
   attempt([&] {
-    write_optimizer_rows(tmp / "optimizer" / rank_file(rank(), size()), model, optimizer, parallel);
+    write_optimizer_rows(tmp / "optimizer" / rank_file(rank(), size()), model, parallelism,
+                         optimizer, parallel);
   });
   if (rank() == 0)
     attempt([&] {
@@ -704,6 +710,7 @@ OptimizerStateCheck check_optimizer_state(const fs::path& checkpoint, const hf::
 }
 
 void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
+                              const hf::Parallelism& parallelism,
                               torch::optim::Optimizer& optimizer, const TrainerState& state,
                               const ParallelState& parallel) {
   const OptimizerRows rows(checkpoint / "optimizer");
@@ -711,7 +718,7 @@ void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
     throw InputError("checkpoint '" + checkpoint.string() + "' has no optimizer state");
   }
   const torch::NoGradGuard no_grad;
-  const FirstCopies first_copies(model, parallel);
+  const FirstCopies first_copies(model, parallelism, parallel);
   for (const auto& [name, place] : param_placements(*model)) {
     auto* key = place.param.unsafeGetTensorImpl();
     if (!rows.has_state(name)) {
@@ -722,7 +729,7 @@ void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
     }
     auto fresh = std::make_unique<torch::optim::AdamWParamState>();
     fresh->step(rows.per_parameter_steps() ? rows.step(name) : state.step);
-    const Block block = block_of(name, place, model, first_copies);
+    const Block block = block_of(name, place, parallelism, first_copies);
     const auto target = [](at::Tensor& t) { return t.dim() == 0 ? t.view({1}) : t; };
     const auto read = [&](const char* kind) {
       auto moment = torch::zeros_like(place.param, at::MemoryFormat::Contiguous);

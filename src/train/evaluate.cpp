@@ -5,7 +5,6 @@
 
 #include <algorithm>
 
-#include "mdist/hf/tensor_parallel.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/device.h"
 #include "mdist/runtime/runtime.h"
@@ -14,9 +13,9 @@
 
 namespace mdist::train {
 
-HeldOutLoss held_out_loss(hf::CausalLM& model, const SequenceSource& data,
-                          const ParallelState& parallel, std::int64_t batch_size,
-                          std::int64_t max_sequences) {
+HeldOutLoss held_out_loss(hf::CausalLM& model, const hf::Parallelism& parallelism,
+                          const SequenceSource& data, const ParallelState& parallel,
+                          std::int64_t batch_size, std::int64_t max_sequences) {
   const bool training = model->is_training();
   model->eval();
   const torch::NoGradGuard no_grad;
@@ -44,10 +43,11 @@ HeldOutLoss held_out_loss(hf::CausalLM& model, const SequenceSource& data,
     const auto V = logits.size(-1);
     const at::Tensor shifted = logits.narrow(1, 0, T - 1).reshape({-1, V}).to(torch::kFloat);
     const at::Tensor labels = ids.narrow(1, 1, T - 1).reshape({-1});
-    const auto& split = model->tensor_parallel;
+    const auto& split = parallelism.tensor_parallel;
     const at::Tensor per_token =
-        split && split->size() > 1
-            ? tp::vocab_parallel_token_losses(shifted, labels, split->group(), split->vocab_start())
+        parallelism.tensor_parallel_split()
+            ? tp::vocab_parallel_token_losses(shifted, labels, split->group(), split->vocab_start(),
+                                              -100, split->counters())
             : torch::nn::functional::cross_entropy(
                   shifted, labels,
                   torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));

@@ -3,8 +3,6 @@
 
 #include <cstdio>
 
-#include "mdist/hf/tensor_parallel.h"
-
 namespace mdist::train {
 namespace {
 
@@ -38,12 +36,12 @@ std::string describe_aux_loss_weight(const hf::LlamaConfig& config,
 CausalLmLoss::CausalLmLoss(const hf::LlamaConfig& config, double aux_weight)
     : moe_(config.moe.has_value()), aux_weight_(aux_weight) {}
 
-LossParts CausalLmLoss::operator()(hf::CausalLM& model, const at::Tensor& logits,
-                                   const at::Tensor& ids) {
+LossParts CausalLmLoss::operator()(hf::CausalLM& model, const hf::Parallelism& parallelism,
+                                   const at::Tensor& logits, const at::Tensor& ids) {
   LossParts parts;
   // With tensor parallelism the logits are this rank's vocabulary columns; the loss is the
   // whole vocabulary's (vocab-parallel cross entropy), the same on every rank of the group.
-  parts.loss = hf::causal_lm_loss(model, logits, ids);
+  parts.loss = hf::causal_lm_loss(parallelism, logits, ids);
   parts.objective = parts.loss;
   if (moe_) {
     // Measured for the log in any case; in the objective with its weight.

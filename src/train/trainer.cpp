@@ -9,8 +9,6 @@
 #include <limits>
 #include <tuple>
 
-#include "mdist/ep/dispatch.h"
-#include "mdist/hf/tensor_parallel.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/device.h"
 #include "mdist/runtime/runtime.h"
@@ -38,9 +36,10 @@ NonFiniteStep::NonFiniteStep(int step, double loss, double grad_norm)
       loss_(loss),
       grad_norm_(grad_norm) {}
 
-Trainer::Trainer(hf::CausalLM model, ParallelState parallel, SequenceSource data,
+Trainer::Trainer(hf::ParallelModel model, ParallelState parallel, SequenceSource data,
                  TrainerOptions options, std::unique_ptr<LossFunction> loss, nlohmann::json run)
-    : model_(std::move(model)),
+    : model_(std::move(model.model)),
+      parallelism_(std::move(model.parallelism)),
       parallel_(std::move(parallel)),
       data_(std::move(data)),
       options_(std::move(options)),
@@ -60,7 +59,7 @@ Trainer::Trainer(hf::CausalLM model, ParallelState parallel, SequenceSource data
 Trainer::~Trainer() = default;
 
 void Trainer::resume(const std::filesystem::path& checkpoint, const TrainerState& state) {
-  load_training_checkpoint(checkpoint, model_, *optimizer_, state, parallel_);
+  load_training_checkpoint(checkpoint, model_, parallelism_, *optimizer_, state, parallel_);
   state_.step = state.step;
   state_.sequences_seen = state.sequences_seen;
   state_.skipped_steps = state.skipped_steps;
@@ -78,7 +77,7 @@ at::Tensor Trainer::next_batch() const {
 
 LossParts Trainer::run_batch(const at::Tensor& ids, int step) {
   const at::Tensor logits = model_->forward(ids);
-  LossParts parts = (*loss_)(model_, logits, ids);
+  LossParts parts = (*loss_)(model_, parallelism_, logits, ids);
   if (options_.nonfinite_steps.contains(step)) {
     const double nan = std::numeric_limits<double>::quiet_NaN();
     parts.loss = parts.loss * nan;
@@ -96,11 +95,11 @@ StepStats Trainer::step() {
   stats.lr = options_.schedule.at(stats.step);
   set_lr(*optimizer_, stats.lr);
   optimizer_->zero_grad();
-  const std::int64_t sent_before = ep::all_to_all_bytes();
+  const std::int64_t sent_before = parallelism_.communication().all_to_all_bytes;
   const LossParts parts = run_batch(ids, stats.step);
   const double max_norm =
       options_.grad_clip > 0 ? options_.grad_clip : std::numeric_limits<double>::infinity();
-  stats.grad_norm = hf::clip_grad_norm_(model_, max_norm);
+  stats.grad_norm = hf::clip_grad_norm_(model_, parallelism_, max_norm);
 
   // One small all-gather per step, before the update: each rank's (loss, peak RSS, aux loss,
   // bytes sent by all-to-all). Every rank's batch has the same number of tokens, so the mean
@@ -109,9 +108,9 @@ StepStats Trainer::step() {
   // norm are the same on every rank, so every rank takes the same decision on a non-finite
   // step.
   const bool moe = loss_->reports_aux_loss();
-  const auto reports = allgather(std::tuple{parts.loss.item<double>(), peak_rss_mib(),
-                                            moe ? parts.aux_loss.item<double>() : 0.0,
-                                            ep::all_to_all_bytes() - sent_before});
+  const auto reports = allgather(std::tuple{
+      parts.loss.item<double>(), peak_rss_mib(), moe ? parts.aux_loss.item<double>() : 0.0,
+      parallelism_.communication().all_to_all_bytes - sent_before});
   const int world = mdist::size();
   for (const auto& [rank_loss, peak, rank_aux, rank_sent] : reports) {
     stats.loss += rank_loss / world;
@@ -140,12 +139,13 @@ StepStats Trainer::step() {
 }
 
 HeldOutLoss Trainer::evaluate(const SequenceSource& held_out, std::int64_t max_sequences) {
-  return held_out_loss(model_, held_out, parallel_, local_batch_, max_sequences);
+  return held_out_loss(model_, parallelism_, held_out, parallel_, local_batch_, max_sequences);
 }
 
 void Trainer::save(const std::filesystem::path& run_dir, int keep,
                    const std::vector<std::filesystem::path>& carried) {
-  save_training_checkpoint(run_dir, model_, *optimizer_, state_, keep, parallel_, carried);
+  save_training_checkpoint(run_dir, model_, parallelism_, *optimizer_, state_, keep, parallel_,
+                           carried);
 }
 
 }  // namespace mdist::train

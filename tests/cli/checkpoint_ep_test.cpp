@@ -1,8 +1,8 @@
 // The training library's checkpoints (mdist/train/checkpoint.h, as `mdist train` writes
-// them) under expert parallelism, run by mdistrun with 1-4 ranks: a checkpoint written in any (dp, ep) layout,
-// with the experts sharded by FSDP or whole, holds every expert's AdamW moments once under its
-// global name, and resumes in every other layout the world allows as the unsplit model's run
-// would continue.
+// them) under expert parallelism, run by mdistrun with 1-4 ranks: a checkpoint written in any (dp,
+// ep) layout, with the experts sharded by FSDP or whole, holds every expert's AdamW moments once
+// under its global name, and resumes in every other layout the world allows as the unsplit model's
+// run would continue.
 #include <gtest/gtest.h>
 
 #include <torch/torch.h>
@@ -90,7 +90,7 @@ void sum_over(at::Tensor tensor, const mdist::Group& group) {
 void reduce_gradients(CausalLM& model, const mdist::Group& expert_data_parallel) {
   std::set<std::string> experts;
   for (const auto& [prefix, module] : mdist::hf::named_experts(model)) {
-    if (!module->expert_parallel) continue;
+    if (static_cast<int64_t>(module->local.size()) == module->num_experts) continue;
     for (const auto& param : module->named_parameters()) experts.insert(prefix + "." + param.key());
   }
   for (const auto& item : model->named_parameters()) {
@@ -172,7 +172,9 @@ TEST_P(ExpertParallelCheckpoint, ResumesInEveryLayoutAsTheUnsplitRun) {
       {
         CausalLM model = seeded(config);
         const Layout layout = layout_of(saved_ep);
-        mdist::hf::parallelize_experts(model, layout.state.expert_model_parallel_group.group());
+        const mdist::hf::Parallelism parallelism{
+            .expert_parallel = mdist::hf::parallelize_experts(
+                model, layout.state.expert_model_parallel_group.group())};
         if (wrap) {
           mdist::hf::shard_experts(model, layout.expert_data_parallel, mdist::size());
           mdist::fsdp2_wrap(*model);
@@ -186,7 +188,8 @@ TEST_P(ExpertParallelCheckpoint, ResumesInEveryLayoutAsTheUnsplitRun) {
         state.step = kSavedSteps;
         state.sequences_seen = int64_t{kSavedSteps} * kGlobalBatch;
         state.run = nlohmann::json::object();
-        mdist::train::save_training_checkpoint(run, model, opt, state, 1, layout.state);
+        mdist::train::save_training_checkpoint(run, model, parallelism, opt, state, 1,
+                                               layout.state);
       }
       const auto checkpoint = mdist::train::latest_checkpoint(run);
       ASSERT_TRUE(checkpoint.has_value()) << saved_as;
@@ -198,11 +201,12 @@ TEST_P(ExpertParallelCheckpoint, ResumesInEveryLayoutAsTheUnsplitRun) {
       for (const int ep : layouts()) {
         const std::string what = saved_as + ", resumed with ep " + std::to_string(ep);
         const Layout layout = layout_of(ep);
-        CausalLM model = mdist::hf::load_pretrained_fsdp2(
+        auto [model, parallelism] = mdist::hf::load_pretrained_fsdp2(
             *checkpoint,
             {.parallel = layout.state, .expert_data_parallel = layout.expert_data_parallel});
         auto opt = adamw(model);
-        mdist::train::load_training_checkpoint(*checkpoint, model, opt, state, layout.state);
+        mdist::train::load_training_checkpoint(*checkpoint, model, parallelism, opt, state,
+                                               layout.state);
         // Each rank's rows of its own parameters (its experts only) are the unsplit run's
         // moments at the checkpoint.
         for (const auto& [name, place] : mdist::param_placements(*model)) {
@@ -286,7 +290,7 @@ TEST(TrainingCheckpoint, KeepsEachParametersStepAndParametersWithoutState) {
     state.sequences_seen = 3 * kGlobalBatch;
     state.run = nlohmann::json::object();
     const mdist::ParallelState parallel = mdist::make_parallel_state({});
-    mdist::train::save_training_checkpoint(run, model, opt, state, 1, parallel);
+    mdist::train::save_training_checkpoint(run, model, {}, opt, state, 1, parallel);
     const auto checkpoint = mdist::train::latest_checkpoint(run);
     ASSERT_TRUE(checkpoint.has_value()) << what;
     const auto check = mdist::train::check_optimizer_state(*checkpoint, config, 3);
@@ -296,8 +300,8 @@ TEST(TrainingCheckpoint, KeepsEachParametersStepAndParametersWithoutState) {
     CausalLM loaded = seeded(config);
     if (wrap) mdist::fsdp2_wrap(*loaded);
     auto loaded_opt = adamw(loaded);
-    mdist::train::load_training_checkpoint(*checkpoint, loaded, loaded_opt,
-                                         mdist::train::read_trainer_state(*checkpoint), parallel);
+    mdist::train::load_training_checkpoint(*checkpoint, loaded, {}, loaded_opt,
+                                           mdist::train::read_trainer_state(*checkpoint), parallel);
     const auto loaded_params = loaded->named_parameters();
     for (const auto& item : params) {
       void* key = loaded_params[item.key()].unsafeGetTensorImpl();

@@ -19,6 +19,7 @@
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/expert_parallel.h"
 #include "mdist/hf/fsdp2_wrap.h"
+#include "mdist/hf/parallelize.h"
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
@@ -57,12 +58,14 @@ std::vector<int> layouts(int64_t experts) {
 struct Split {
   mdist::ParallelState state;
   mdist::Group expert_data_parallel;
+  mdist::hf::Parallelism parallelism = {};
 };
 
 Split split(CausalLM& model, int ep, bool wrap) {
   Split s{mdist::make_parallel_state({.expert_model_parallel = ep}),
           mdist::make_expert_data_parallel_group({.expert_model_parallel = ep})};
-  mdist::hf::parallelize_experts(model, s.state.expert_model_parallel_group.group());
+  s.parallelism.expert_parallel =
+      mdist::hf::parallelize_experts(model, s.state.expert_model_parallel_group.group());
   if (wrap) {
     mdist::hf::shard_experts(model, s.expert_data_parallel, mdist::size());
     mdist::fsdp2_wrap(*model);
@@ -83,7 +86,7 @@ CausalLM load_in_layout(const std::filesystem::path& dir, int ep) {
   options.parallel = mdist::make_parallel_state({.expert_model_parallel = ep});
   options.expert_data_parallel =
       mdist::make_expert_data_parallel_group({.expert_model_parallel = ep});
-  return mdist::hf::load_pretrained_fsdp2(dir, options);
+  return mdist::hf::load_pretrained_fsdp2(dir, options).model;
 }
 
 std::string file_text(const std::filesystem::path& path) {
@@ -175,7 +178,7 @@ TEST_P(ExpertParallel, TrainsLikeOneProcessInEveryLayout) {
 
   for (const int ep : layouts(config.moe->num_experts)) {
     CausalLM model = seeded(config);
-    split(model, ep, /*wrap=*/true);
+    const Split s = split(model, ep, /*wrap=*/true);
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.5));
     const int64_t per_rank = kGlobalBatch / world;
     for (int step = 0; step < kSteps; ++step) {
@@ -184,7 +187,8 @@ TEST_P(ExpertParallel, TrainsLikeOneProcessInEveryLayout) {
       opt.zero_grad();
       loss.backward();
       // The global gradient norm counts every expert's shard once (a bound that never clips).
-      EXPECT_NEAR(mdist::hf::clip_grad_norm_(model, 1e30), ref_norms[step], 1e-5 * ref_norms[step])
+      EXPECT_NEAR(mdist::hf::clip_grad_norm_(model, s.parallelism, 1e30), ref_norms[step],
+                  1e-5 * ref_norms[step])
           << "ep " << ep << ", step " << step;
       opt.step();
       const double global = mdist::allreduce(loss.item<double>()) / world;
@@ -210,6 +214,33 @@ TEST_P(ExpertParallel, TrainsLikeOneProcessInEveryLayout) {
       handle->reshard();
     }
   }
+}
+
+// The all-to-all counters belong to the model's plan (one per block's style, summed by the
+// plan), not to the process: two models split alike count their own traffic each, the same
+// bytes for the same forward, and a reset clears one model's only.
+TEST_P(ExpertParallel, CountsCommunicationPerModel) {
+  const LlamaConfig config = fixture_config(GetParam(), 12);
+  const int ep = mdist::size();
+  if (ep == 1 || config.moe->num_experts % ep != 0) GTEST_SKIP() << "needs ep > 1";
+  CausalLM first = seeded(config), second = seeded(config);
+  const Split a = split(first, ep, /*wrap=*/false), b = split(second, ep, /*wrap=*/false);
+  ASSERT_TRUE(a.parallelism.expert_parallel && b.parallelism.expert_parallel);
+  torch::manual_seed(5);
+  const at::Tensor ids = torch::randint(0, config.vocab_size, {2, 8});
+  const at::NoGradGuard no_grad;
+  first->forward(ids);
+  const auto counted = a.parallelism.communication();
+  // Two all-to-alls (there and back) per sparse layer.
+  int64_t sparse = 0;
+  for (const auto& layer : first->model->decoder_layers) sparse += layer->moe ? 1 : 0;
+  EXPECT_EQ(counted.all_to_alls, 2 * sparse);
+  EXPECT_EQ(b.parallelism.communication().all_to_alls, 0);
+  second->forward(ids);
+  EXPECT_EQ(b.parallelism.communication().all_to_all_bytes, counted.all_to_all_bytes);
+  a.parallelism.reset_communication();
+  EXPECT_EQ(a.parallelism.communication().all_to_all_bytes, 0);
+  EXPECT_EQ(b.parallelism.communication().all_to_all_bytes, counted.all_to_all_bytes);
 }
 
 TEST_P(ExpertParallel, EachRankHoldsOnlyItsOwnExperts) {
@@ -307,8 +338,8 @@ TEST_P(ExpertParallel, SavePretrainedWritesEveryExpertAsTheUnsplitModel) {
             base / ("ep" + std::to_string(ep) + (wrap ? "-fsdp" : "") + (bf16 ? "-bf16" : ""));
         {
           CausalLM model = make();
-          split(model, ep, wrap);
-          mdist::hf::save_pretrained(model, dir);
+          const Split s = split(model, ep, wrap);
+          mdist::hf::save_pretrained(model, s.parallelism, dir);
         }
         mdist::barrier();
         if (mdist::is_master()) {

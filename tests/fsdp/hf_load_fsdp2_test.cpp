@@ -183,7 +183,7 @@ TEST_P(LoadPretrainedFsdp2, EqualsLoadPretrainedWithRealShardsOnlyAndNoFullParam
   CausalLM unwrapped = mdist::hf::load_pretrained(checkpoint.dir());
   CausalLM reference = mdist::hf::load_pretrained(checkpoint.dir());
   mdist::fsdp2_wrap(*reference, c.options.shard_root, c.options.mp_policy, c.options.cpu_offload);
-  CausalLM loaded = mdist::hf::load_pretrained_fsdp2(checkpoint.dir(), c.options);
+  CausalLM loaded = mdist::hf::load_pretrained_fsdp2(checkpoint.dir(), c.options).model;
   ASSERT_TRUE(mdist::is_fsdp2_model(*loaded));
 
   // What parameters() yields: real memory of exactly its own size (a shard, or a root

@@ -17,6 +17,7 @@
 
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/fsdp2_wrap.h"
+#include "mdist/hf/parallelize.h"
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
@@ -321,6 +322,30 @@ struct LargestAllocation : c10::MemoryReportingInfoBase {
 // A split model never holds the full logits, the full embedding or the full head: with a large
 // vocabulary those are the biggest tensors of the unsplit step, and no allocation of the split
 // forward, loss and backward comes near them.
+// The collectives' bytes belong to the model's plan, not to the process: two models split
+// alike count their own traffic each (the same for the same forward), and a reset clears one
+// plan's only.
+TEST(TpLlama, CountsCommunicationPerPlan) {
+  const int t = mdist::size();
+  LlamaConfig config = small(4, 4, 16 * t);
+  if (t == 1 || config.num_attention_heads % t != 0) GTEST_SKIP() << "needs 2 or 4 ranks";
+  const auto state = mdist::make_parallel_state({.tensor_parallel = t});
+  CausalLM first = seeded(config), second = seeded(config);
+  const auto a = mdist::hf::parallelize(first, state), b = mdist::hf::parallelize(second, state);
+  torch::manual_seed(5);
+  const at::Tensor ids = torch::randint(0, config.vocab_size, {2, 5});
+  const at::NoGradGuard no_grad;
+  (void)a->loss(first->forward(ids), ids);
+  const mdist::tp::CommunicationBytes counted = a->communication();
+  EXPECT_GT(counted.all_reduce, 0);
+  EXPECT_EQ(b->communication().all_reduce, 0);
+  (void)b->loss(second->forward(ids), ids);
+  EXPECT_EQ(b->communication().all_reduce, counted.all_reduce);
+  a->reset_communication();
+  EXPECT_EQ(a->communication().all_reduce, 0);
+  EXPECT_EQ(b->communication().all_reduce, counted.all_reduce);
+}
+
 TEST(TpLlama, NoRankAllocatesTheFullLogitsOrAFullVocabularyLayer) {
   for (const int t : tp_sizes()) {
     if (t != mdist::size()) continue;  // pure tensor parallelism over the world
@@ -333,11 +358,12 @@ TEST(TpLlama, NoRankAllocatesTheFullLogitsOrAFullVocabularyLayer) {
     const at::Tensor ids = torch::randint(0, config.vocab_size, {batch, time});
     const auto state = mdist::make_parallel_state({.tensor_parallel = t});
     CausalLM model = seeded(config);
-    mdist::hf::parallelize(model, state);
+    const mdist::hf::Parallelism parallelism{.tensor_parallel =
+                                                 mdist::hf::parallelize(model, state)};
     const auto probe = std::make_shared<LargestAllocation>();
     {
       const c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, probe);
-      mdist::hf::causal_lm_loss(model, model->forward(ids), ids).backward();
+      mdist::hf::causal_lm_loss(parallelism, model->forward(ids), ids).backward();
     }
     // Each rank's parts are 1 / t of them; allow for the other small tensors of the step.
     EXPECT_LE(probe->largest, std::max(full_logits, full_table) / t + (64 << 10))
@@ -403,7 +429,7 @@ TEST(TpFsdp, TrainingOnEveryLayoutMatchesOneProcessAndSavesTheHfLayout) {
         const at::Tensor batch = data[step].narrow(0, dp_rank * local, local);
         const at::Tensor loss = plan->loss(model->forward(batch), batch);
         loss.backward();
-        mdist::hf::clip_grad_norm_(model, 0.5);
+        mdist::hf::clip_grad_norm_(model, {.tensor_parallel = plan}, 0.5);
         opt.step();
         // The mean over the data-parallel ranks' (equal-sized) batches is the global loss.
         const double global =
@@ -416,7 +442,7 @@ TEST(TpFsdp, TrainingOnEveryLayoutMatchesOneProcessAndSavesTheHfLayout) {
           (std::filesystem::temp_directory_path() /
            ("mdist-tp-save-" + std::to_string(::getpid()) + "-" + arch + "-" + std::to_string(t)))
               .string());
-      mdist::hf::save_pretrained(model, dir);
+      mdist::hf::save_pretrained(model, {.tensor_parallel = plan}, dir);
       mdist::barrier();
       const mdist::hf::SafetensorsCheckpoint saved(dir);
       for (const auto& item : reference->named_parameters()) {
@@ -434,12 +460,12 @@ TEST(TpFsdp, TrainingOnEveryLayoutMatchesOneProcessAndSavesTheHfLayout) {
       for (const auto& [dp2, t2] : layouts()) {
         if (config.num_attention_heads % t2 != 0) continue;
         const auto state2 = mdist::make_parallel_state({.tensor_parallel = t2});
-        CausalLM loaded = mdist::hf::load_pretrained_fsdp2(dir, {.parallel = state2});
+        auto [loaded, parallelism] = mdist::hf::load_pretrained_fsdp2(dir, {.parallel = state2});
         const at::NoGradGuard no_grad;
         const at::Tensor ids = data[0].narrow(0, 0, 2);
-        EXPECT_LT(
-            max_diff(mdist::hf::full_logits(loaded, loaded->forward(ids)), reference->forward(ids)),
-            1e-4)
+        EXPECT_LT(max_diff(mdist::hf::full_logits(parallelism, loaded->forward(ids)),
+                           reference->forward(ids)),
+                  1e-4)
             << label << " loaded on tp=" << t2;
         (void)dp2;
       }

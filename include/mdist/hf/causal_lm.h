@@ -54,11 +54,8 @@
 #include <vector>
 
 #include "mdist/hf/config.h"
-#include "mdist/runtime/group.h"
 
 namespace mdist::hf {
-
-class TensorParallelPlan;  // mdist/hf/tensor_parallel.h
 
 // HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, cast to x's dtype, times weight.
 struct RMSNormImpl : torch::nn::Module {
@@ -94,25 +91,45 @@ struct MLPImpl : torch::nn::Module {  // SwiGLU
 };
 TORCH_MODULE(MLP);
 
-// The routed experts of a sparse MoE block, registered under their global indices
-// ("experts.N.gate_proj.weight"): all of them, or with expert parallelism
+// The routed experts' computation, torchtitan's GroupedExperts: rows [M, hidden] grouped by
+// expert and counts [n] (int64: rows of each of the n experts it holds, in order) -> one output
+// row per row, in the same order. `tokens` [M] (int64) names the token each row belongs to; the
+// computation does not use it, but expert parallelism does (below). It holds no parameters of
+// its own (the experts are registered in ExpertsImpl, under the checkpoints' names) and knows
+// no group: expert parallelism (ep::ExpertParallel, installed by hf::parallelize_experts)
+// hooks it, sending the rows to their experts' owners before it runs (each expert's rows in
+// token order, as ep::dispatch_combine sends them: the order of the rows is the order in which
+// an expert's weight gradient sums them) and the outputs back after.
+struct GroupedExpertsImpl : torch::nn::Module {
+  explicit GroupedExpertsImpl(std::vector<MLP> experts);
+  at::Tensor forward(const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& tokens);
+  std::vector<MLP> experts;  // ExpertsImpl's, shared
+};
+TORCH_MODULE(GroupedExperts);
+
+// The routed experts of a sparse MoE block (transformers' MoeExperts), registered under their
+// global indices ("experts.N.gate_proj.weight"): all of them, or with expert parallelism
 // (hf::parallelize_experts) only the E / ep of this rank, the rest never held. The block calls
 // it once per forward through mdist::nn::call, also when no token chose a local expert, so an
 // FSDP unit around it (hf::shard_experts) gathers and reduces on every rank alike.
 struct ExpertsImpl : torch::nn::Module {
   ExpertsImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
-  // Experts [first, first + local.size()) of num_experts, split over `expert_parallel`.
-  ExpertsImpl(std::vector<MLP> local, int64_t first, int64_t num_experts, Group expert_parallel);
+  // Experts [first, first + local.size()) of num_experts (hf::parallelize_experts).
+  ExpertsImpl(std::vector<MLP> local, int64_t first, int64_t num_experts);
   // tokens [N, hidden], chosen and weights [N, top_k] -> [N, hidden]: the sum over the top-k
-  // slots of weight x expert(token). Without expert parallelism as transformers: each chosen
-  // expert in ascending order, its tokens by (slot, token), added in the tokens' dtype (the
-  // same order keeps bf16 sums identical). With it, tokens go to their experts' ranks and
-  // back (mdist::ep::dispatch_combine), summed per token in expert order.
+  // slots of weight x expert(token). As transformers: the (slot, token) pairs sorted by expert
+  // (stably), the rows run through `grouped`, each expert's weighted outputs added to its
+  // tokens one expert at a time in ascending order (index_add per expert: within one expert a
+  // token appears once, so each token's sum is in expert order on any device, bf16 included).
+  // The rows are sorted by expert and gathered once: a per-expert mask, nonzero and gather cost
+  // more than the experts' matrix products on small batches.
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& chosen, const at::Tensor& weights);
   std::vector<MLP> local;  // local[i] is expert first + i
   int64_t first = 0;
-  int64_t num_experts = 0;
-  std::optional<Group> expert_parallel;  // empty: every expert is here
+  int64_t num_experts = 0;  // of the layer (the router's outputs)
+  // Runs the experts on the sorted rows; not registered (it has no parameters), so the
+  // module tree and its names stay the checkpoints'.
+  GroupedExperts grouped{nullptr};
 };
 TORCH_MODULE(Experts);
 
@@ -192,10 +209,9 @@ struct CausalLMImpl : torch::nn::Module {
   LlamaConfig config;
   DecoderModel model{nullptr};
   torch::nn::Linear lm_head{nullptr};  // null when tie_word_embeddings
-  // Set by hf::parallelize (mdist/hf/tensor_parallel.h) when the model is split over a
-  // tensor-parallel group: forward then returns this rank's vocabulary columns of the logits,
-  // and saving, loading and the loss go through the plan. Null for an unsplit model.
-  std::shared_ptr<const TensorParallelPlan> tensor_parallel;
+  // The model knows nothing of its parallelization: hf::apply_parallelism
+  // (mdist/hf/parallelize.h) splits its modules in place and returns the plans (hf::Parallelism)
+  // that the loss, the full logits, saving and loading of a split model take.
 };
 TORCH_MODULE(CausalLM);
 

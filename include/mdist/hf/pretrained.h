@@ -11,14 +11,19 @@
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
+#include "mdist/hf/parallelize.h"
 
 namespace mdist::hf {
 
-// Writes `model` (wrapped by fully_shard or not, split by hf::parallelize or by
-// hf::parallelize_experts or not) to `dir` in the ordinary HF layout. A sharded or split model
-// is gathered first: collective, every rank calls it; rank 0 writes, and under expert
-// parallelism collects the other ranks' experts one tensor at a time (the other ranks never
-// hold more than their own). Every file is written atomically.
+// Writes `model` (wrapped by fully_shard or not, split as `parallelism` says or not) to `dir`
+// in the ordinary HF layout. A sharded or split model is gathered first: collective, every
+// rank calls it; rank 0 writes, and under expert parallelism collects the other ranks' experts
+// one tensor at a time (the other ranks never hold more than their own). Every file is written
+// atomically.
+void save_pretrained(CausalLM& model, const Parallelism& parallelism,
+                     const std::filesystem::path& dir,
+                     std::uint64_t max_shard_bytes = std::uint64_t{5} << 30);
+// The same for a model that is not split (an Error if it is: its plans are needed).
 void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
                      std::uint64_t max_shard_bytes = std::uint64_t{5} << 30);
 
@@ -43,18 +48,22 @@ CausalLM load_pretrained(const std::filesystem::path& dir);
 // rank holds a full copy of the sharded weights; the mapped pages of each tensor are released
 // once its rows are copied, so the file does not add up in the rank's memory either. Also
 // works on an unwrapped model; throws Error if a parameter is still on the meta device. A
-// CausalLM split by hf::parallelize reads only its tensor-parallel slice (and within it its
-// own rows).
+// CausalLM whose experts are split reads only its own experts.
 void load_checkpoint_sharded(torch::nn::Module& model, const std::filesystem::path& dir);
+// The same for a CausalLM split as `parallelism` says: under tensor parallelism each rank reads
+// only its slice (and within it its own rows).
+void load_checkpoint_sharded(CausalLM& model, const Parallelism& parallelism,
+                             const std::filesystem::path& dir);
 
 // fsdp2_wrap's arguments, for load_pretrained_fsdp2.
 struct Fsdp2LoadOptions {
   bool shard_root = true;
   std::optional<MixedPrecisionPolicy> mp_policy = std::nullopt;
   bool cpu_offload = false;
-  // The layout (default: data parallel over the world). fsdp2_wrap shards over its
-  // data-parallel group; with a tensor-parallel group of more than one rank, hf::parallelize
-  // splits the model over it first and each rank reads only its slice's own rows.
+  // The layout (default: data parallel over the world), applied by hf::apply_parallelism:
+  // fsdp2_wrap shards over its data-parallel group; with a tensor-parallel group of more than
+  // one rank, hf::parallelize splits the model over it first and each rank reads only its
+  // slice's own rows.
   ParallelState parallel = ParallelState();
   // With an expert-parallel group of more than one rank in `parallel`: the ranks holding the
   // same experts (mdist::make_expert_data_parallel_group); each rank keeps and reads only its
@@ -63,15 +72,16 @@ struct Fsdp2LoadOptions {
   std::optional<Group> expert_data_parallel = std::nullopt;
 };
 
-// Builds the model from dir/config.json on the meta device, fsdp2_wrap's it, then each rank
-// reads only its rows from the mmap'd safetensors.
+// Builds the model from dir/config.json on the meta device, splits and wraps it
+// (hf::apply_parallelism), then each rank reads only its rows from the mmap'd safetensors.
+// Returns the model with its Parallelism.
 // The result equals load_pretrained(dir) followed by fsdp2_wrap with the same options, but no
 // rank ever allocates the whole model: each holds its shards (plus, without shard_root, the
 // root's whole parameters) and touches only the checkpoint pages of its own rows.
 // Collective: every rank of the world calls it; if any rank fails (a missing file, a shape
 // mismatch), every rank throws (the failing ones their own error), so none is left waiting
 // in a collective of its first forward.
-CausalLM load_pretrained_fsdp2(const std::filesystem::path& dir,
-                               const Fsdp2LoadOptions& options = {});
+ParallelModel load_pretrained_fsdp2(const std::filesystem::path& dir,
+                                    const Fsdp2LoadOptions& options = {});
 
 }  // namespace mdist::hf

@@ -20,7 +20,9 @@
 // split that cannot work is one Error naming the sizes.
 //
 // Compose with data parallelism by wrapping afterwards: fsdp2_wrap(model, ..., state's
-// data-parallel group) shards the tensor-parallel parameters over the data-parallel group.
+// data-parallel group) shards the tensor-parallel parameters over the data-parallel group;
+// hf::apply_parallelism (mdist/hf/parallelize.h) does both. The plan is held beside the model,
+// not in it: the loss, the full logits, saving and loading of a split model take it.
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -30,6 +32,7 @@
 #include "mdist/fsdp/state_dict.h"
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
+#include "mdist/tp/collectives.h"
 
 namespace mdist::hf {
 
@@ -50,9 +53,11 @@ struct TensorParallelPlacement {
 
 class TensorParallelPlan {
  public:
+  // `counters`: where the split model's collectives are counted (parallelize gives the
+  // model's layers the same); null: a new one.
   TensorParallelPlan(Group group, int64_t vocab_size,
                      std::map<std::string, TensorParallelPlacement> placements,
-                     bool holds_global_rank0);
+                     bool holds_global_rank0, tp::Counters counters = nullptr);
 
   const Group& group() const { return group_; }
   int size() const;
@@ -79,36 +84,33 @@ class TensorParallelPlan {
   std::map<std::string, at::Tensor> gather(const std::map<std::string, at::Tensor>& local) const;
   bool holds_global_rank0() const { return holds_global_rank0_; }
 
+  // The bytes the split model's tensor-parallel collectives (its layers' hooks, loss() and
+  // full_logits()) have moved since the split or the last reset: this plan's own counters.
+  tp::CommunicationBytes communication() const { return counters_->bytes(); }
+  void reset_communication() const { counters_->reset(); }
+  const tp::Counters& counters() const { return counters_; }
+
  private:
   Group group_;
   int64_t vocab_start_ = 0;
   std::map<std::string, TensorParallelPlacement> placements_;
   bool holds_global_rank0_ = true;
+  tp::Counters counters_;
 };
 
 // Checks that `config` splits over `tensor_parallel` ranks; throws Error naming the sizes.
 void check_tensor_parallel_split(const LlamaConfig& config, int tensor_parallel);
 
-// Splits `model` over state.tensor_parallel_group and records the plan in
-// model->tensor_parallel. A tensor-parallel group that is "not used" or of one rank leaves the
-// model as it is (a plan of size 1). Collective over the world when KV heads are replicated
-// (it makes the groups of ranks that share one); call it on every rank, before fsdp2_wrap.
-// The model may be on the meta device (its parameters get their local shapes).
+// Splits `model` over state.tensor_parallel_group and returns the plan (keep it: the loss,
+// full logits, saving and loading of the split model need it). A tensor-parallel group that is
+// "not used" or of one rank leaves the model as it is (a plan of size 1). Collective over the
+// world when KV heads are replicated (it makes the groups of ranks that share one); call it on
+// every rank, before fsdp2_wrap. The model may be on the meta device (its parameters get their
+// local shapes). Throws Error for a model already split or wrapped.
 std::shared_ptr<const TensorParallelPlan> parallelize(CausalLM& model, const ParallelState& state);
 
-// The loss of `model`'s logits: hf::causal_lm_loss, or the plan's vocab-parallel loss when the
-// model is split.
-at::Tensor causal_lm_loss(const CausalLM& model, const at::Tensor& logits,
-                          const at::Tensor& labels);
-// The logits over the whole vocabulary (gathered when the model is split).
-at::Tensor full_logits(const CausalLM& model, const at::Tensor& logits);
-
-// clip_grad_norm_ of the model, split by parallelize or not, wrapped by fsdp2_wrap or not: the
-// global norm counts each distinct value once (split parts summed over the tensor-parallel
-// and data-parallel ranks, replicated ones once). Wrapped, the data-parallel x
-// tensor-parallel ranks must be the world. Under expert parallelism (hf::parallelize_experts,
-// hf::shard_experts) each expert counts once too (its shards over its expert-data-parallel
-// group).
-double clip_grad_norm_(CausalLM& model, double max_norm, double norm_type = 2.0);
+// Whether `model`'s modules have been cut by parallelize (its embedding holds fewer rows than
+// the vocabulary): such a model must not be saved, loaded or clipped without its plan.
+bool is_tensor_parallel_split(const CausalLM& model);
 
 }  // namespace mdist::hf

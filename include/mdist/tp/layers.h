@@ -22,6 +22,7 @@
 #include <optional>
 
 #include "mdist/runtime/group.h"
+#include "mdist/tp/collectives.h"
 
 namespace mdist::tp {
 
@@ -42,6 +43,8 @@ struct ColumnParallelOptions {
   // layer replicated on several ranks (KV heads shared by ranks), give the same rows to each
   // and sum their gradients with sum_gradients_over over the ranks that share them.
   std::optional<RowRange> rows = std::nullopt;
+  // Where its collectives are counted (the plan the layer belongs to); null: nowhere.
+  Counters counters = nullptr;
 };
 
 // Column-parallel: weight [out, in] -> its output rows, bias likewise; forward is
@@ -52,11 +55,13 @@ void parallelize_column(torch::nn::LinearImpl& linear, const Group& group,
 // the features, e.g. a column-parallel layer's output); forward is
 // linear without bias -> reduce_from_group -> + bias, so the bias is added once. The bias
 // stays whole (replicated).
-void parallelize_row(torch::nn::LinearImpl& linear, const Group& group);
+void parallelize_row(torch::nn::LinearImpl& linear, const Group& group,
+                     const Counters& counters = nullptr);
 // Vocab-parallel: weight [V, D] -> its rows [r V / T, (r + 1) V / T); forward looks up the
 // ids this rank holds, zeros the others and all-reduces. An id outside [0, V) is an Error on
 // every rank, as torch's embedding refuses it. padding_idx keeps its meaning (no gradient).
-void parallelize_vocab_embedding(torch::nn::EmbeddingImpl& embedding, const Group& group);
+void parallelize_vocab_embedding(torch::nn::EmbeddingImpl& embedding, const Group& group,
+                                 const Counters& counters = nullptr);
 
 // Rank r's part of `size` split over `parts`: [r * size / parts, (r + 1) * size / parts);
 // Error naming `what` when it does not divide.
@@ -71,6 +76,7 @@ struct ColumnParallelLinearImpl : torch::nn::Module {
   at::Tensor weight, bias;
   Group group;
   bool gather_output;
+  Counters counters = std::make_shared<CommCounters>();  // this module's collectives
 };
 TORCH_MODULE(ColumnParallelLinear);
 
@@ -83,6 +89,7 @@ struct RowParallelLinearImpl : torch::nn::Module {
   at::Tensor weight, bias;
   Group group;
   bool input_is_parallel;
+  Counters counters = std::make_shared<CommCounters>();  // this module's collectives
 };
 TORCH_MODULE(RowParallelLinear);
 
@@ -94,6 +101,7 @@ struct VocabParallelEmbeddingImpl : torch::nn::Module {
   Group group;
   int64_t num_embeddings;
   int64_t vocab_start;
+  Counters counters = std::make_shared<CommCounters>();  // this module's collectives
 };
 TORCH_MODULE(VocabParallelEmbedding);
 

@@ -24,6 +24,7 @@
 
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
+#include "mdist/hf/parallelize.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -42,8 +43,9 @@ struct TrainerState {
 // Collective. `keep`: how many checkpoints to keep (older ones are removed, and so are those
 // of later steps, left by an earlier run in the same directory). `carried`: files copied into
 // the checkpoint as they are (the model's tokenizer files, so that a checkpoint is a usable
-// Hugging Face model directory).
+// Hugging Face model directory). `parallelism`: how the model is split (build_wrapped_model's).
 void save_training_checkpoint(const std::filesystem::path& run_dir, hf::CausalLM& model,
+                              const hf::Parallelism& parallelism,
                               torch::optim::Optimizer& optimizer, const TrainerState& state,
                               int keep, const ParallelState& parallel = ParallelState(),
                               const std::vector<std::filesystem::path>& carried = {});
@@ -93,6 +95,7 @@ OptimizerStateCheck check_optimizer_state(const std::filesystem::path& checkpoin
 // resumed model is built from the checkpoint directory itself (build_wrapped_model). The
 // optimizer must hold the model's parameters.
 void load_training_checkpoint(const std::filesystem::path& checkpoint, hf::CausalLM& model,
+                              const hf::Parallelism& parallelism,
                               torch::optim::Optimizer& optimizer, const TrainerState& state,
                               const ParallelState& parallel = ParallelState());
 

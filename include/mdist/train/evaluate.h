@@ -6,6 +6,7 @@
 
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
+#include "mdist/hf/parallelize.h"
 #include "mdist/train/sequences.h"
 
 namespace mdist::train {
@@ -18,9 +19,9 @@ struct HeldOutLoss {
 
 // Collective over the world: the first `max_sequences` sequences (0: all), `batch_size` per
 // forward on each data-parallel rank, without gradients. Leaves the model in the mode it found
-// it in.
-HeldOutLoss held_out_loss(hf::CausalLM& model, const SequenceSource& data,
-                          const ParallelState& parallel, std::int64_t batch_size,
-                          std::int64_t max_sequences = 0);
+// it in. `parallelism`: how the model is split (its vocabulary, under tensor parallelism).
+HeldOutLoss held_out_loss(hf::CausalLM& model, const hf::Parallelism& parallelism,
+                          const SequenceSource& data, const ParallelState& parallel,
+                          std::int64_t batch_size, std::int64_t max_sequences = 0);
 
 }  // namespace mdist::train

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "mdist/hf/causal_lm.h"
+#include "mdist/hf/parallelize.h"
 
 namespace mdist::train {
 
@@ -23,9 +24,10 @@ class LossFunction {
  public:
   virtual ~LossFunction() = default;
   // `ids` [B, T]: the batch the model ran on (labels are the inputs shifted by one);
-  // `logits`: its forward's output (this rank's vocabulary columns under tensor parallelism).
-  virtual LossParts operator()(hf::CausalLM& model, const at::Tensor& logits,
-                               const at::Tensor& ids) = 0;
+  // `logits`: its forward's output (this rank's vocabulary columns under tensor parallelism,
+  // as `parallelism` says).
+  virtual LossParts operator()(hf::CausalLM& model, const hf::Parallelism& parallelism,
+                               const at::Tensor& logits, const at::Tensor& ids) = 0;
   // Whether parts.aux_loss is set (a mixture of experts).
   virtual bool reports_aux_loss() const = 0;
   // The weight of aux_loss in the objective (0: measured, not trained on).
@@ -46,8 +48,8 @@ std::string describe_aux_loss_weight(const hf::LlamaConfig& config,
 class CausalLmLoss final : public LossFunction {
  public:
   CausalLmLoss(const hf::LlamaConfig& config, double aux_weight);
-  LossParts operator()(hf::CausalLM& model, const at::Tensor& logits,
-                       const at::Tensor& ids) override;
+  LossParts operator()(hf::CausalLM& model, const hf::Parallelism& parallelism,
+                       const at::Tensor& logits, const at::Tensor& ids) override;
   bool reports_aux_loss() const override { return moe_; }
   double aux_loss_weight() const override { return aux_weight_; }
 

@@ -25,6 +25,7 @@
 #include "mdist/error.h"
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
+#include "mdist/hf/parallelize.h"
 #include "mdist/train/checkpoint.h"
 #include "mdist/train/evaluate.h"
 #include "mdist/train/loss.h"
@@ -80,10 +81,11 @@ class NonFiniteStep : public Error {
 
 class Trainer {
  public:
-  // `model`: built, split and sharded on `parallel`'s layout. `data`: the training stream (a
-  // SequenceSource addressed by position). `run`: the run's flags kept in checkpoints.
-  Trainer(hf::CausalLM model, ParallelState parallel, SequenceSource data, TrainerOptions options,
-          std::unique_ptr<LossFunction> loss, nlohmann::json run);
+  // `model`: built, split and sharded on `parallel`'s layout (hf::apply_parallelism), with how
+  // it is split. `data`: the training stream (a SequenceSource addressed by position). `run`:
+  // the run's flags kept in checkpoints.
+  Trainer(hf::ParallelModel model, ParallelState parallel, SequenceSource data,
+          TrainerOptions options, std::unique_ptr<LossFunction> loss, nlohmann::json run);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -105,6 +107,7 @@ class Trainer {
   const TrainerOptions& options() const { return options_; }
   const LossFunction& loss() const { return *loss_; }
   hf::CausalLM& model() { return model_; }
+  const hf::Parallelism& parallelism() const { return parallelism_; }
   std::int64_t local_batch() const { return local_batch_; }
 
  private:
@@ -113,6 +116,7 @@ class Trainer {
   at::Tensor next_batch() const;
 
   hf::CausalLM model_;
+  hf::Parallelism parallelism_;
   ParallelState parallel_;
   SequenceSource data_;
   TrainerOptions options_;
