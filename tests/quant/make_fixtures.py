@@ -13,8 +13,8 @@ configured as modelopt's presets configure their quantizers, and records: the in
 buffer(s) after modelopt's max calibration (or as set), the forward output and the input
 gradient for a seeded output gradient, with the clipped STE (`pass_through_bwd=False`) and with
 modelopt's default identity STE (`pass_through_bwd=True`). Names are `CASE.WHAT`; each case
-also has `CASE.meta` (an int64 vector, see `META` below) so that the C++ test knows how modelopt
-was configured without parsing strings.
+also has `CASE.meta` (an int64 vector, described above `KIND_INT` below) so that the C++ test
+knows how modelopt was configured without parsing strings.
 
 NVFP4: modelopt's fake quant for dynamic E2M1 blocks runs only as a Triton/CUDA kernel
 (`kernels/quantization/gemm/fp4_kernel_hopper.py`, `fp4_fake_quant_kernel`); on CPU
