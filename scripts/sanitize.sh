@@ -49,7 +49,11 @@ libtorch="$("$repo/scripts/install_libtorch.sh" | tail -n 1)"
 configure() {
   local build="$1" sanitizers="$2"
   mkdir -p "$build"
+  # -O1 (what the sanitizers' own documentation recommends) and line tables only (-g1: enough for
+  # file:line in every report): the instrumented build compiles in about half the time of -O2 -g
+  # and its objects take a fraction of the compiler cache.
   if ! cmake -S "$repo" -B "$build" -DMDIST_LIBTORCH="$libtorch" -DMDIST_SANITIZE="$sanitizers" \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
     -DMDIST_BUILD_BENCH=OFF > "$build/configure.log" 2>&1; then
     cat "$build/configure.log" >&2
     echo "sanitize: configuring $build failed" >&2
