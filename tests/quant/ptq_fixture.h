@@ -1,0 +1,86 @@
+#pragma once
+// The PTQ fixtures of make_ptq_fixtures.py (modelopt 0.47's mtq.quantize of tiny HF models),
+// shared by the single-process and the multi-rank tests.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mdist/hf/safetensors.h"
+#include "mdist/quant/quantize.h"
+
+namespace mdist::quant::testing {
+
+inline std::filesystem::path fixture_dir(const std::string& arch) {
+  return std::filesystem::path(MDIST_QUANT_FIXTURES) / ("ptq_" + arch);
+}
+
+class PtqFixture {
+ public:
+  explicit PtqFixture(const std::string& arch)
+      : file_(fixture_dir(arch) / "expected.safetensors") {}
+
+  at::Tensor tensor(const std::string& name) const { return file_.tensor(name).clone(); }
+  bool contains(const std::string& name) const { return file_.contains(name); }
+  int64_t batches() const { return file_.info("calib").shape.front(); }
+  at::Tensor batch(int64_t index) const { return tensor("calib")[index]; }
+  at::Tensor eval_ids() const { return tensor("eval_ids"); }
+
+  // A comma-separated metadata entry.
+  std::vector<std::string> list(const std::string& key) const {
+    std::vector<std::string> items;
+    std::stringstream in(file_.metadata().at(key));
+    for (std::string item; std::getline(in, item, ',');) items.push_back(item);
+    return items;
+  }
+
+  // "<preset>.<quantizer>._amax" entries of the fixture, keyed without the preset prefix.
+  std::map<std::string, at::Tensor> amax(const std::string& preset) const {
+    std::map<std::string, at::Tensor> out;
+    const std::string prefix = preset + ".";
+    for (const auto& name : file_.names()) {
+      if (name.rfind(prefix, 0) == 0 && name.size() > 6 &&
+          name.compare(name.size() - 6, 6, "._amax") == 0) {
+        out.emplace(name.substr(prefix.size()), tensor(name));
+      }
+    }
+    return out;
+  }
+
+ private:
+  hf::SafetensorsFile file_;
+};
+
+// A forward loop over the fixture's calibration batches `indices` (each rank its own share).
+inline ForwardLoop forward_batches(const PtqFixture& fixture, std::vector<int64_t> indices) {
+  return [&fixture, indices](hf::CausalLM& model) {
+    const torch::NoGradGuard no_grad;
+    for (const int64_t i : indices) model->forward(fixture.batch(i));
+  };
+}
+
+inline double relative(double actual, double expected) {
+  return std::abs(actual - expected) / std::abs(expected);
+}
+
+// Bit-exact: the same shape and values (compared in fp32; modelopt's fp32 amax).
+inline ::testing::AssertionResult same_values(const at::Tensor& actual,
+                                              const at::Tensor& expected) {
+  if (actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure()
+           << "shape " << actual.sizes() << " vs " << expected.sizes();
+  }
+  const at::Tensor a = actual.to(at::kFloat), e = expected.to(at::kFloat);
+  if (!at::equal(a, e)) {
+    return ::testing::AssertionFailure()
+           << (a != e).sum().item<int64_t>() << " of " << a.numel()
+           << " differ, max relative difference " << ((a - e).abs() / e.abs()).max().item<double>();
+  }
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace mdist::quant::testing
