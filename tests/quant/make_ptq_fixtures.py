@@ -22,7 +22,12 @@ and expected.safetensors records:
                    "<preset>.parents" names the class of each one's module as modelopt's
                    QuantModuleRegistry does ("nn.Linear", "nn.Embedding", "other")
 so that the C++ test also checks which quantizers the configuration enables (and that no
-enabled one lacks an amax).
+enabled one lacks an amax). export_<preset>/ holds modelopt's export_hf_checkpoint of that
+quantized model (model.safetensors, config.json, hf_quant_config.json; its
+generation_config.json is dropped: mdist does not write one).
+
+fixtures/exclude_modules.json: [unquantized names, quantized names, modelopt's summary] for
+modelopt's `_prefix_wildcard_summarize_exclude_modules` on dense and MoE-like layouts.
 
 fixtures/wildcards.json: [pattern, name, fnmatch.fnmatch(name, pattern)] for modelopt's default
 exclusion patterns against names of Llama / Qwen3-MoE / Mixtral modules, and for the corners
@@ -40,6 +45,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import modelopt.torch.quantization as mtq
+from modelopt.torch.export import export_hf_checkpoint
 from modelopt.torch.quantization.config import _default_disabled_quantizer_cfg
 from modelopt.torch.quantization.nn import QuantModuleRegistry, TensorQuantizer
 
@@ -95,6 +101,28 @@ def write_wildcards():
     (HERE / "wildcards.json").write_text(json.dumps(cases, indent=0) + "\n")
 
 
+def write_exclude_cases():
+    """modelopt's summary of unquantized module names (exclude_modules) on a few layouts."""
+    from modelopt.torch.export.quant_utils import _prefix_wildcard_summarize_exclude_modules
+    dense = [f"model.layers.{i}.{m}" for i in range(3)
+             for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")]
+    moe = [f"model.layers.{i}.mlp.experts.{e}.{m}" for i in range(2) for e in range(2)
+           for m in ("gate_proj", "down_proj")]
+    cases = [
+        (["model.embed_tokens", "lm_head"], dense),
+        (["model.embed_tokens", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "lm_head"],
+         moe),
+        (["model.layers.2.self_attn.q_proj", "model.layers.2.self_attn.o_proj",
+          "model.layers.2.mlp.down_proj", "model.layers.20.mlp.down_proj"], dense[:6]),
+        (["model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.mlp.experts.0.down_proj",
+          "model.layers.1.mlp.experts.1.gate_proj", "lm_head"], moe[:4] + moe[7:]),
+    ]
+    out = [[u, q, sorted(_prefix_wildcard_summarize_exclude_modules(u, q))] for u, q in cases]
+    (HERE / "exclude_modules.json").write_text(json.dumps(out, indent=1) + "\n")
+    for case in out:
+        print("exclude_modules", case[2])
+
+
 def write(arch, config_cls, model_cls, extra):
     model = build(config_cls, model_cls, extra)
     out_dir = HERE / f"ptq_{arch}"
@@ -127,6 +155,12 @@ def write(arch, config_cls, model_cls, extra):
         amax = {k: v for k, v in quantized.state_dict().items() if k.endswith("._amax")}
         for key, value in amax.items():
             tensors[f"{preset}.{key}"] = value.float()
+        # modelopt's unified HF export of the same quantized model (it modifies the model).
+        # dtype given: without it modelopt 0.47 takes transformers 5's config.dtype, here the
+        # string "float32", and fails in weight.to("float32") ("Invalid device string").
+        export_dir = out_dir / f"export_{preset}"
+        export_hf_checkpoint(quantized, dtype=torch.float32, export_dir=str(export_dir))
+        (export_dir / "generation_config.json").unlink(missing_ok=True)
         print(arch, preset, "loss", tensors["loss"].item(), "->", loss.item(),
               len(amax), "amax buffers,", sum(enabled), "of", len(names), "quantizers enabled")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "expected.safetensors"),
@@ -134,5 +168,6 @@ def write(arch, config_cls, model_cls, extra):
 
 
 write_wildcards()
+write_exclude_cases()
 for arch, (config_cls, model_cls, extra) in ARCHS.items():
     write(arch, config_cls, model_cls, extra)
