@@ -7,6 +7,8 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <numeric>
@@ -15,6 +17,8 @@
 
 #include "mdist/error.h"
 #include "mdist/hf/pretrained.h"
+#include "mdist/hf/safetensors.h"
+#include "mdist/quant/export.h"
 #include "mdist/quant/quant_config.h"
 #include "mdist/quant/quantize.h"
 #include "mdist/quant/wildcard.h"
@@ -45,6 +49,17 @@ TEST(Wildcard, MatchesPythonFnmatch) {
     matched += expected ? 1 : 0;
   }
   EXPECT_GT(matched, 10);  // both outcomes are exercised
+}
+
+// modelopt's prefix-wildcard summary of the modules an export leaves unquantized.
+TEST(ExcludeModules, SummaryEqualsModelopts) {
+  std::ifstream in(std::string(MDIST_QUANT_FIXTURES) + "/exclude_modules.json");
+  const auto cases = nlohmann::json::parse(in);
+  ASSERT_GE(cases.size(), 4u);
+  for (const auto& c : cases) {
+    const std::vector<std::string> unquantized = c.at(0), quantized = c.at(1), expected = c.at(2);
+    EXPECT_EQ(mdist::quant::summarize_exclude_modules(unquantized, quantized), expected);
+  }
 }
 
 TEST(QuantConfig, UnknownPresetIsOneLineInputError) {
@@ -134,6 +149,92 @@ TEST_P(Ptq, AmaxAndLossEqualModelopt) {
 
   quantizers.reset();
   EXPECT_EQ(model->loss(model->forward(ids), ids).item<double>(), plain);
+}
+
+nlohmann::json read_json(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+// The same tensor bytes: dtype, shape and every byte of the data.
+::testing::AssertionResult same_bytes(const at::Tensor& actual, const at::Tensor& expected) {
+  if (actual.scalar_type() != expected.scalar_type() || actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure() << actual.scalar_type() << actual.sizes() << " vs "
+                                         << expected.scalar_type() << expected.sizes();
+  }
+  const at::Tensor a = actual.contiguous(), e = expected.contiguous();
+  if (std::memcmp(a.data_ptr(), e.data_ptr(), a.nbytes()) != 0) {
+    const at::Tensor differ = a.to(at::kFloat) != e.to(at::kFloat);
+    return ::testing::AssertionFailure()
+           << differ.sum().item<int64_t>() << " of " << a.numel() << " elements differ";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// modelopt's export_hf_checkpoint of the same quantized model: every tensor byte for byte,
+// hf_quant_config.json and config.json's quantization_config equal but for the producer's
+// version.
+TEST_P(Ptq, ExportEqualsModeloptsByteForByte) {
+  const auto& [arch, preset] = GetParam();
+  const PtqFixture fixture(arch);
+  const auto dir = mdist::quant::testing::fixture_dir(arch);
+  mdist::hf::CausalLM model = mdist::hf::load_pretrained(dir);
+  std::vector<int64_t> all(static_cast<std::size_t>(fixture.batches()));
+  std::iota(all.begin(), all.end(), 0);
+  const auto quantizers =
+      mdist::quant::quantize(model, QuantConfig::preset(preset), forward_batches(fixture, all));
+  const auto out = std::filesystem::path(::testing::TempDir()) / ("ptq_export_" + arch + preset);
+  std::filesystem::remove_all(out);
+  mdist::quant::export_hf_checkpoint(model, *quantizers, out);
+
+  const auto expected_dir = dir / ("export_" + preset);
+  const mdist::hf::SafetensorsFile expected(expected_dir / "model.safetensors");
+  const mdist::hf::SafetensorsFile actual(out / "model.safetensors");
+  EXPECT_EQ(actual.names(), expected.names());
+  for (const auto& name : expected.names()) {
+    if (!actual.contains(name)) continue;
+    EXPECT_TRUE(same_bytes(actual.tensor(name), expected.tensor(name))) << name;
+  }
+  auto hf_quant = read_json(out / "hf_quant_config.json");
+  auto modelopt_hf_quant = read_json(expected_dir / "hf_quant_config.json");
+  EXPECT_EQ(hf_quant["producer"]["name"], modelopt_hf_quant["producer"]["name"]);
+  hf_quant.erase("producer");
+  modelopt_hf_quant.erase("producer");
+  EXPECT_EQ(hf_quant, modelopt_hf_quant);
+  auto config = read_json(out / "config.json").at("quantization_config");
+  auto modelopt_config = read_json(expected_dir / "config.json").at("quantization_config");
+  config["producer"].erase("version");
+  modelopt_config["producer"].erase("version");
+  EXPECT_EQ(config, modelopt_config);
+}
+
+// What the export does not cover yet is refused before anything is written.
+TEST(PtqExport, RefusesWhatItCannotWriteYet) {
+  const PtqFixture fixture("qwen3");
+  const auto dir = mdist::quant::testing::fixture_dir("qwen3");
+  const auto out = std::filesystem::path(::testing::TempDir()) / "ptq_export_refused";
+  std::filesystem::remove_all(out);
+  mdist::hf::CausalLM bf16 = mdist::hf::load_pretrained(dir);
+  bf16->to(at::kBFloat16);
+  const auto quantized =
+      mdist::quant::quantize(bf16, QuantConfig::preset("fp8"), forward_batches(fixture, {0}));
+  try {
+    mdist::quant::export_hf_checkpoint(bf16, *quantized, out);
+    FAIL() << "no exception";
+  } catch (const mdist::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("only fp32 models"));
+  }
+  mdist::hf::CausalLM model = mdist::hf::load_pretrained(dir);
+  QuantConfig weight_only = QuantConfig::preset("int8");
+  weight_only.rules.push_back({"*input_quantizer", std::nullopt, false, std::nullopt});
+  const auto w8 = mdist::quant::quantize(model, weight_only, forward_batches(fixture, {0}));
+  try {
+    mdist::quant::export_hf_checkpoint(model, *w8, out);
+    FAIL() << "no exception";
+  } catch (const mdist::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("input disabled"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(out));
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, Ptq,

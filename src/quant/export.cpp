@@ -1,0 +1,173 @@
+// quant::export_hf_checkpoint: modelopt 0.47's unified HF checkpoint for FP8 and INT8.
+#include "mdist/quant/export.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mdist/error.h"
+#include "mdist/fsdp/fully_shard.h"
+#include "mdist/hf/safetensors.h"
+#include "mdist/hf/tensor_parallel.h"
+#include "mdist/io/atomic_file.h"
+#include "mdist/runtime/runtime.h"
+
+namespace mdist::quant {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+// modelopt's per-layer formats that this export writes (`get_quantization_format`).
+enum class LayerFormat { none, fp8, int8_sq };
+
+const char* quant_algo(LayerFormat format) {
+  return format == LayerFormat::fp8 ? "FP8" : "W8A8_SQ_PER_CHANNEL";
+}
+
+LayerFormat layer_format(const QuantizedLinear& q) {
+  const bool weight = q.weight_quantizer->is_enabled();
+  const bool input = q.input_quantizer->is_enabled();
+  if (!weight && !input) return LayerFormat::none;
+  const QuantFormat& w = q.weight_quantizer->format();
+  const QuantFormat& x = q.input_quantizer->format();
+  if (weight && input && w == QuantFormat::fp8() && x == QuantFormat::fp8()) {
+    return LayerFormat::fp8;
+  }
+  if (weight && input && w == QuantFormat::int8_per_row() && x == QuantFormat::int8()) {
+    return LayerFormat::int8_sq;
+  }
+  throw Error("mdist::quant: export_hf_checkpoint: " + q.name + " is quantized as weight " +
+              (weight ? w.str() : "disabled") + ", input " + (input ? x.str() : "disabled") +
+              "; only the fp8 and int8 presets' layers can be exported yet");
+}
+
+// modelopt's TensorQuantizer.export_amax then `amax.float() / maxbound`
+// (quant_utils.get_scaling_factor): a zero or NaN amax becomes maxbound, then clamped to
+// [tiny, max] of the amax's dtype.
+at::Tensor scaling_factor(const TensorQuantizer& quantizer, const std::string& name) {
+  if (!quantizer->has_amax()) {
+    throw Error("mdist::quant: export_hf_checkpoint: " + name +
+                " has no amax (it was never calibrated)");
+  }
+  const double maxbound = quantizer->format().maxbound();
+  const at::Tensor amax = quantizer->amax();
+  at::Tensor sanitized =
+      at::nan_to_num(at::where(amax == 0, at::full_like(amax, maxbound), amax), maxbound);
+  const auto dtype = amax.scalar_type();
+  const double tiny = dtype == at::kBFloat16 ? 1.1754943508222875e-38
+                      : dtype == at::kHalf   ? 6.103515625e-05
+                                             : std::numeric_limits<float>::min();
+  const double top = dtype == at::kHalf ? 65504.0 : std::numeric_limits<float>::max();
+  sanitized = sanitized.clamp(tiny, top);
+  return sanitized.to(at::kFloat) / maxbound;
+}
+
+// The exported tensors of one quantized Linear (modelopt's `_export_quantized_weight` and
+// `to_quantized_weight`), scales squeezed as `postprocess_state_dict` leaves them.
+void export_linear(const QuantizedLinear& q, LayerFormat format,
+                   std::map<std::string, at::Tensor>& tensors) {
+  const at::Tensor weight = q.linear->weight.detach();
+  const at::Tensor weight_scale =
+      scaling_factor(q.weight_quantizer, q.name + ".weight_quantizer").reshape({-1});
+  const at::Tensor input_scale = scaling_factor(q.input_quantizer, q.name + ".input_quantizer");
+  if (format == LayerFormat::fp8) {
+    // A per-tensor amax is exported with shape [1] (export_amax's unsqueeze(0)).
+    tensors[q.name + ".weight"] = (weight / weight_scale).to(at::kFloat8_e4m3fn);
+  } else {
+    tensors[q.name + ".weight"] =
+        (weight / weight_scale.unsqueeze(1)).round().clamp(-128, 127).to(at::kChar);
+  }
+  tensors[q.name + ".weight_scale"] = weight_scale.squeeze();
+  tensors[q.name + ".input_scale"] = input_scale.squeeze();
+}
+
+void check_exportable(hf::CausalLM& model) {
+  if (is_fsdp2_model(*model) || hf::is_tensor_parallel_split(model)) {
+    throw Error(
+        "mdist::quant: export_hf_checkpoint: the model is wrapped by fully_shard or split by "
+        "tensor parallelism; exporting such a model is not supported yet");
+  }
+  for (const auto& item : model->named_parameters()) {
+    if (item.value().scalar_type() != at::kFloat) {
+      throw Error("mdist::quant: export_hf_checkpoint: " + item.key() + " is " +
+                  std::string(c10::toString(item.value().scalar_type())) +
+                  "; only fp32 models can be exported yet");
+    }
+  }
+}
+
+json producer() { return {{"name", "modelopt"}, {"version", "0.47.0 (mdist)"}}; }
+
+// config.json's quantization_config (modelopt's convert_hf_quant_config_format).
+json quantization_config(LayerFormat format, const std::vector<std::string>& exclude) {
+  json config = json::object();
+  if (format == LayerFormat::fp8) {
+    const json eight_bit_float = {{"dynamic", false}, {"num_bits", 8}, {"type", "float"}};
+    config["config_groups"] = {{"group_0",
+                                {{"input_activations", eight_bit_float},
+                                 {"weights", eight_bit_float},
+                                 {"targets", json::array({"Linear"})}}}};
+  }
+  config["ignore"] = exclude;
+  config["quant_algo"] = quant_algo(format);
+  config["producer"] = producer();
+  config["quant_method"] = "modelopt";
+  return config;
+}
+
+void write_files(hf::CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
+                 LayerFormat format, const std::vector<std::string>& exclude,
+                 const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  hf::save_checkpoint(dir, tensors, std::uint64_t{5} << 30);
+  const json hf_quant = {{"producer", producer()},
+                         {"quantization",
+                          {{"quant_algo", quant_algo(format)},
+                           {"kv_cache_quant_algo", nullptr},
+                           {"exclude_modules", exclude}}}};
+  io::write_file_atomically(dir / "hf_quant_config.json", hf_quant.dump(4));
+  json config = json::parse(model->config.to_json());
+  config["quantization_config"] = quantization_config(format, exclude);
+  io::write_file_atomically(dir / "config.json", config.dump(2) + "\n");
+}
+
+}  // namespace
+
+void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers,
+                          const std::filesystem::path& dir) {
+  check_exportable(model);
+  if (mdist::is_initialized() && !mdist::is_master()) return;
+  const at::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& item : model->named_parameters()) tensors[item.key()] = item.value().detach();
+  // modelopt lists every module that carries quantizers and quantizes nothing, in module
+  // order: the embedding (a QuantEmbedding there), the disabled Linears, a tied lm_head
+  // (a Linear in transformers).
+  std::vector<std::string> unquantized{"model.embed_tokens"}, quantized;
+  std::optional<LayerFormat> format;
+  for (const auto& q : quantizers.linears()) {
+    const LayerFormat layer = layer_format(*q);
+    if (layer == LayerFormat::none) {
+      unquantized.push_back(q->name);
+      continue;
+    }
+    if (format && *format != layer) {
+      throw Error(
+          "mdist::quant: export_hf_checkpoint: layers are quantized in several formats "
+          "(modelopt's MIXED_PRECISION); not supported yet");
+    }
+    format = layer;
+    quantized.push_back(q->name);
+    export_linear(*q, layer, tensors);
+  }
+  if (!format) throw Error("mdist::quant: export_hf_checkpoint: no layer is quantized");
+  if (!model->lm_head) unquantized.push_back("lm_head");
+  write_files(model, tensors, *format, summarize_exclude_modules(unquantized, quantized), dir);
+}
+
+}  // namespace mdist::quant
