@@ -12,6 +12,7 @@
 
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
+#include "mdist/fsdp/state_dict.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
 #include "mdist/io/atomic_file.h"
@@ -71,7 +72,7 @@ at::Tensor scaling_factor(const TensorQuantizer& quantizer, const std::string& n
 // `to_quantized_weight`), scales squeezed as `postprocess_state_dict` leaves them.
 void export_linear(const QuantizedLinear& q, LayerFormat format,
                    std::map<std::string, at::Tensor>& tensors) {
-  const at::Tensor weight = q.linear->weight.detach();
+  const at::Tensor weight = tensors.at(q.name + ".weight");
   const at::Tensor weight_scale =
       scaling_factor(q.weight_quantizer, q.name + ".weight_quantizer").reshape({-1});
   const at::Tensor input_scale = scaling_factor(q.input_quantizer, q.name + ".input_quantizer");
@@ -86,19 +87,32 @@ void export_linear(const QuantizedLinear& q, LayerFormat format,
   tensors[q.name + ".input_scale"] = input_scale.squeeze();
 }
 
-void check_exportable(hf::CausalLM& model) {
-  if (is_fsdp2_model(*model) || hf::is_tensor_parallel_split(model)) {
+void check_not_split(hf::CausalLM& model) {
+  if (hf::is_tensor_parallel_split(model)) {
     throw Error(
-        "mdist::quant: export_hf_checkpoint: the model is wrapped by fully_shard or split by "
-        "tensor parallelism; exporting such a model is not supported yet");
+        "mdist::quant: export_hf_checkpoint: the model is split by tensor parallelism; "
+        "exporting such a model is not supported yet");
   }
-  for (const auto& item : model->named_parameters()) {
-    if (item.value().scalar_type() != at::kFloat) {
-      throw Error("mdist::quant: export_hf_checkpoint: " + item.key() + " is " +
-                  std::string(c10::toString(item.value().scalar_type())) +
+}
+
+void check_fp32(const std::map<std::string, at::Tensor>& tensors) {
+  for (const auto& [name, tensor] : tensors) {
+    if (tensor.scalar_type() != at::kFloat) {
+      throw Error("mdist::quant: export_hf_checkpoint: " + name + " is " +
+                  std::string(c10::toString(tensor.scalar_type())) +
                   "; only fp32 models can be exported yet");
     }
   }
+}
+
+// The whole parameters on rank 0 (collective under FSDP: every rank joins the gather, as
+// every rank joins modelopt's full-state-dict gather); empty on the other ranks.
+std::map<std::string, at::Tensor> whole_parameters(hf::CausalLM& model) {
+  if (is_fsdp2_model(*model)) return full_state_dict(*model, {.rank0_only = true, .cpu = true});
+  std::map<std::string, at::Tensor> tensors;
+  if (mdist::is_initialized() && !mdist::is_master()) return tensors;
+  for (const auto& item : model->named_parameters()) tensors[item.key()] = item.value().detach();
+  return tensors;
 }
 
 json producer() { return {{"name", "modelopt"}, {"version", "0.47.0 (mdist)"}}; }
@@ -140,11 +154,11 @@ void write_files(hf::CausalLM& model, const std::map<std::string, at::Tensor>& t
 
 void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers,
                           const std::filesystem::path& dir) {
-  check_exportable(model);
-  if (mdist::is_initialized() && !mdist::is_master()) return;
+  check_not_split(model);
   const at::NoGradGuard no_grad;
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& item : model->named_parameters()) tensors[item.key()] = item.value().detach();
+  std::map<std::string, at::Tensor> tensors = whole_parameters(model);
+  if (mdist::is_initialized() && !mdist::is_master()) return;
+  check_fp32(tensors);
   // modelopt lists every module that carries quantizers and quantizes nothing, in module
   // order: the embedding (a QuantEmbedding there), the disabled Linears, a tied lm_head
   // (a Linear in transformers).

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "mdist/hf/parallelize.h"
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/tensor_parallel.h"
+#include "mdist/quant/export.h"
 #include "mdist/quant/quantize.h"
 #include "mdist/runtime/runtime.h"
 #include "tests/quant/ptq_fixture.h"
@@ -80,6 +82,16 @@ TEST_P(PtqDataParallel, AmaxAndLossEqualModeloptsSingleProcess) {
   const double loss = model->loss(model->forward(ids), ids).item<double>();
   const double modelopt = fixture.tensor(preset + ".loss").item<double>();
   EXPECT_LT(relative(loss, modelopt), 1e-6) << label << ": " << loss << " vs " << modelopt;
+
+  // The export from this layout (FSDP: gathered to rank 0) equals modelopt's byte for byte.
+  const auto out = std::filesystem::path(::testing::TempDir()) /
+                   ("ptq_dist_export_" + arch + preset + (fsdp ? "_fsdp" : "") + "_np" +
+                    std::to_string(mdist::size()));
+  if (mdist::is_master()) std::filesystem::remove_all(out);
+  mdist::barrier();
+  mdist::quant::export_hf_checkpoint(model, *quantizers, out);
+  mdist::barrier();
+  if (mdist::is_master()) mdist::quant::testing::expect_export_equals_modelopt(out, arch, preset);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, PtqDataParallel,

@@ -3,9 +3,12 @@
 // shared by the single-process and the multi-rank tests.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -81,6 +84,52 @@ inline ::testing::AssertionResult same_values(const at::Tensor& actual,
            << " differ, max relative difference " << ((a - e).abs() / e.abs()).max().item<double>();
   }
   return ::testing::AssertionSuccess();
+}
+
+inline nlohmann::json read_json(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+// The same tensor bytes: dtype, shape and every byte of the data.
+inline ::testing::AssertionResult same_bytes(const at::Tensor& actual, const at::Tensor& expected) {
+  if (actual.scalar_type() != expected.scalar_type() || actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure() << actual.scalar_type() << actual.sizes() << " vs "
+                                         << expected.scalar_type() << expected.sizes();
+  }
+  const at::Tensor a = actual.contiguous(), e = expected.contiguous();
+  if (std::memcmp(a.data_ptr(), e.data_ptr(), a.nbytes()) != 0) {
+    const at::Tensor differ = a.to(at::kFloat) != e.to(at::kFloat);
+    return ::testing::AssertionFailure()
+           << differ.sum().item<int64_t>() << " of " << a.numel() << " elements differ";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// The export in `out` against modelopt's export_hf_checkpoint fixture: every tensor's dtype,
+// shape and bytes; hf_quant_config.json and config.json's quantization_config as JSON, the
+// producer's version aside.
+inline void expect_export_equals_modelopt(const std::filesystem::path& out, const std::string& arch,
+                                          const std::string& preset) {
+  const auto expected_dir = fixture_dir(arch) / ("export_" + preset);
+  const hf::SafetensorsFile expected(expected_dir / "model.safetensors");
+  const hf::SafetensorsFile actual(out / "model.safetensors");
+  EXPECT_EQ(actual.names(), expected.names());
+  for (const auto& name : expected.names()) {
+    if (!actual.contains(name)) continue;
+    EXPECT_TRUE(same_bytes(actual.tensor(name), expected.tensor(name))) << name;
+  }
+  auto hf_quant = read_json(out / "hf_quant_config.json");
+  auto modelopt_hf_quant = read_json(expected_dir / "hf_quant_config.json");
+  EXPECT_EQ(hf_quant["producer"]["name"], modelopt_hf_quant["producer"]["name"]);
+  hf_quant.erase("producer");
+  modelopt_hf_quant.erase("producer");
+  EXPECT_EQ(hf_quant, modelopt_hf_quant);
+  auto config = read_json(out / "config.json").at("quantization_config");
+  auto modelopt_config = read_json(expected_dir / "config.json").at("quantization_config");
+  config["producer"].erase("version");
+  modelopt_config["producer"].erase("version");
+  EXPECT_EQ(config, modelopt_config);
 }
 
 }  // namespace mdist::quant::testing

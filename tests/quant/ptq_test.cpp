@@ -151,26 +151,6 @@ TEST_P(Ptq, AmaxAndLossEqualModelopt) {
   EXPECT_EQ(model->loss(model->forward(ids), ids).item<double>(), plain);
 }
 
-nlohmann::json read_json(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
-}
-
-// The same tensor bytes: dtype, shape and every byte of the data.
-::testing::AssertionResult same_bytes(const at::Tensor& actual, const at::Tensor& expected) {
-  if (actual.scalar_type() != expected.scalar_type() || actual.sizes() != expected.sizes()) {
-    return ::testing::AssertionFailure() << actual.scalar_type() << actual.sizes() << " vs "
-                                         << expected.scalar_type() << expected.sizes();
-  }
-  const at::Tensor a = actual.contiguous(), e = expected.contiguous();
-  if (std::memcmp(a.data_ptr(), e.data_ptr(), a.nbytes()) != 0) {
-    const at::Tensor differ = a.to(at::kFloat) != e.to(at::kFloat);
-    return ::testing::AssertionFailure()
-           << differ.sum().item<int64_t>() << " of " << a.numel() << " elements differ";
-  }
-  return ::testing::AssertionSuccess();
-}
-
 // modelopt's export_hf_checkpoint of the same quantized model: every tensor byte for byte,
 // hf_quant_config.json and config.json's quantization_config equal but for the producer's
 // version.
@@ -187,25 +167,7 @@ TEST_P(Ptq, ExportEqualsModeloptsByteForByte) {
   std::filesystem::remove_all(out);
   mdist::quant::export_hf_checkpoint(model, *quantizers, out);
 
-  const auto expected_dir = dir / ("export_" + preset);
-  const mdist::hf::SafetensorsFile expected(expected_dir / "model.safetensors");
-  const mdist::hf::SafetensorsFile actual(out / "model.safetensors");
-  EXPECT_EQ(actual.names(), expected.names());
-  for (const auto& name : expected.names()) {
-    if (!actual.contains(name)) continue;
-    EXPECT_TRUE(same_bytes(actual.tensor(name), expected.tensor(name))) << name;
-  }
-  auto hf_quant = read_json(out / "hf_quant_config.json");
-  auto modelopt_hf_quant = read_json(expected_dir / "hf_quant_config.json");
-  EXPECT_EQ(hf_quant["producer"]["name"], modelopt_hf_quant["producer"]["name"]);
-  hf_quant.erase("producer");
-  modelopt_hf_quant.erase("producer");
-  EXPECT_EQ(hf_quant, modelopt_hf_quant);
-  auto config = read_json(out / "config.json").at("quantization_config");
-  auto modelopt_config = read_json(expected_dir / "config.json").at("quantization_config");
-  config["producer"].erase("version");
-  modelopt_config["producer"].erase("version");
-  EXPECT_EQ(config, modelopt_config);
+  mdist::quant::testing::expect_export_equals_modelopt(out, arch, preset);
 }
 
 // What the export does not cover yet is refused before anything is written.

@@ -22,9 +22,11 @@
 // The producer is {"name": "modelopt", "version": "0.47.0 (mdist)"}: the format's name, so
 // that loaders that check it accept the checkpoint, and the version whose format this is.
 //
-// Every file is written atomically (a temporary file renamed into place), by rank 0 only.
-// Scope, each refused with an Error: a model wrapped by fully_shard or split by tensor or
-// expert parallelism (gather it first), weights other than fp32 (bf16 export has not been
+// Every file is written atomically (a temporary file renamed into place), by rank 0 only. A
+// model wrapped by fully_shard is gathered (collective: every rank calls this; the amax is
+// the same on every rank after quantize's sync); a replicated one is read on rank 0.
+// Scope, each refused with an Error: a model split by tensor or expert parallelism, weights
+// other than fp32 (bf16 export has not been
 // compared with modelopt's yet), layers quantized in another way than the two presets
 // (mixed precision, weight-only), and modelopt's fused-layer preprocessing, which the two
 // presets do not need: FP8 is excluded from it, and INT8's q/k/v and gate/up share one input
