@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mdist/error.h"
@@ -16,6 +17,7 @@
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
 #include "mdist/io/atomic_file.h"
+#include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 
 namespace mdist::quant {
@@ -50,13 +52,7 @@ LayerFormat layer_format(const QuantizedLinear& q) {
 // modelopt's TensorQuantizer.export_amax then `amax.float() / maxbound`
 // (quant_utils.get_scaling_factor): a zero or NaN amax becomes maxbound, then clamped to
 // [tiny, max] of the amax's dtype.
-at::Tensor scaling_factor(const TensorQuantizer& quantizer, const std::string& name) {
-  if (!quantizer->has_amax()) {
-    throw Error("mdist::quant: export_hf_checkpoint: " + name +
-                " has no amax (it was never calibrated)");
-  }
-  const double maxbound = quantizer->format().maxbound();
-  const at::Tensor amax = quantizer->amax();
+at::Tensor scaling_factor(const at::Tensor& amax, double maxbound) {
   at::Tensor sanitized =
       at::nan_to_num(at::where(amax == 0, at::full_like(amax, maxbound), amax), maxbound);
   const auto dtype = amax.scalar_type();
@@ -70,12 +66,15 @@ at::Tensor scaling_factor(const TensorQuantizer& quantizer, const std::string& n
 
 // The exported tensors of one quantized Linear (modelopt's `_export_quantized_weight` and
 // `to_quantized_weight`), scales squeezed as `postprocess_state_dict` leaves them.
-void export_linear(const QuantizedLinear& q, LayerFormat format,
+// `weight_amax`: the whole layer's (under tensor parallelism, a column-parallel per-row amax
+// gathered from the ranks).
+void export_linear(const QuantizedLinear& q, LayerFormat format, const at::Tensor& weight_amax,
                    std::map<std::string, at::Tensor>& tensors) {
   const at::Tensor weight = tensors.at(q.name + ".weight");
   const at::Tensor weight_scale =
-      scaling_factor(q.weight_quantizer, q.name + ".weight_quantizer").reshape({-1});
-  const at::Tensor input_scale = scaling_factor(q.input_quantizer, q.name + ".input_quantizer");
+      scaling_factor(weight_amax, q.weight_quantizer->format().maxbound()).reshape({-1});
+  const at::Tensor input_scale =
+      scaling_factor(q.input_quantizer->amax(), q.input_quantizer->format().maxbound());
   if (format == LayerFormat::fp8) {
     // A per-tensor amax is exported with shape [1] (export_amax's unsqueeze(0)).
     tensors[q.name + ".weight"] = (weight / weight_scale).to(at::kFloat8_e4m3fn);
@@ -85,14 +84,6 @@ void export_linear(const QuantizedLinear& q, LayerFormat format,
   }
   tensors[q.name + ".weight_scale"] = weight_scale.squeeze();
   tensors[q.name + ".input_scale"] = input_scale.squeeze();
-}
-
-void check_not_split(hf::CausalLM& model) {
-  if (hf::is_tensor_parallel_split(model)) {
-    throw Error(
-        "mdist::quant: export_hf_checkpoint: the model is split by tensor parallelism; "
-        "exporting such a model is not supported yet");
-  }
 }
 
 void check_fp32(const std::map<std::string, at::Tensor>& tensors) {
@@ -105,14 +96,49 @@ void check_fp32(const std::map<std::string, at::Tensor>& tensors) {
   }
 }
 
-// The whole parameters on rank 0 (collective under FSDP: every rank joins the gather, as
-// every rank joins modelopt's full-state-dict gather); empty on the other ranks.
-std::map<std::string, at::Tensor> whole_parameters(hf::CausalLM& model) {
-  if (is_fsdp2_model(*model)) return full_state_dict(*model, {.rank0_only = true, .cpu = true});
-  std::map<std::string, at::Tensor> tensors;
-  if (mdist::is_initialized() && !mdist::is_master()) return tensors;
-  for (const auto& item : model->named_parameters()) tensors[item.key()] = item.value().detach();
-  return tensors;
+bool keeps_whole(const hf::Parallelism& parallelism) {
+  const bool split = parallelism.tensor_parallel_split();
+  return split ? parallelism.tensor_parallel->holds_global_rank0()
+               : !mdist::is_initialized() || mdist::is_master();
+}
+
+// The whole parameters in the HF layout on rank 0, empty elsewhere. Collective where the
+// layout needs it, as modelopt's full-state-dict gather: FSDP gathers over its groups, and
+// under tensor parallelism the group holding rank 0 joins its parts (save_pretrained's path).
+std::map<std::string, at::Tensor> whole_parameters(hf::CausalLM& model,
+                                                   const hf::Parallelism& parallelism) {
+  const bool keep = keeps_whole(parallelism);
+  std::map<std::string, at::Tensor> local;
+  if (is_fsdp2_model(*model)) {
+    local = full_state_dict(*model, {.cpu = true, .keep = keep});
+  } else if (keep) {
+    for (const auto& item : model->named_parameters()) local[item.key()] = item.value().detach();
+  }
+  if (!parallelism.tensor_parallel_split() || !keep) return local;
+  return parallelism.tensor_parallel->gather(local);
+}
+
+// The whole layer's weight amax. A column-parallel per-row amax holds this rank's rows only
+// (quantize keeps it per shard, as modelopt): the tensor-parallel group's rows are joined at
+// their offsets (ranks sharing replicated KV heads send the same rows). Collective over the
+// tensor-parallel group for every such Linear, in module order.
+at::Tensor whole_weight_amax(const QuantizedLinear& q, const hf::Parallelism& parallelism) {
+  const TensorQuantizer& quantizer = q.weight_quantizer;
+  if (!quantizer->has_amax()) {
+    throw Error("mdist::quant: export_hf_checkpoint: " + q.name +
+                ".weight_quantizer has no amax (it was never calibrated)");
+  }
+  const at::Tensor& amax = quantizer->amax();
+  if (!parallelism.tensor_parallel_split() || quantizer->format().axis() != Axis::per_row) {
+    return amax;
+  }
+  const auto placement = parallelism.tensor_parallel->placement(q.name + ".weight");
+  if (placement.split != hf::TensorParallelPlacement::Split::kRows) return amax;
+  const auto parts = allgather(std::make_pair(placement.offset, amax.detach().cpu()),
+                               parallelism.tensor_parallel->group());
+  at::Tensor whole = at::empty({placement.full_shape.front(), 1}, amax.options().device(at::kCPU));
+  for (const auto& [offset, rows] : parts) whole.narrow(0, offset, rows.size(0)).copy_(rows);
+  return whole;
 }
 
 json producer() { return {{"name", "modelopt"}, {"version", "0.47.0 (mdist)"}}; }
@@ -153,12 +179,20 @@ void write_files(hf::CausalLM& model, const std::map<std::string, at::Tensor>& t
 }  // namespace
 
 void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers,
-                          const std::filesystem::path& dir) {
-  check_not_split(model);
-  const at::NoGradGuard no_grad;
-  std::map<std::string, at::Tensor> tensors = whole_parameters(model);
-  if (mdist::is_initialized() && !mdist::is_master()) return;
-  check_fp32(tensors);
+                          const std::filesystem::path& dir, const hf::Parallelism& parallelism) {
+  if (parallelism.expert_parallel) {
+    throw Error("mdist::quant: export_hf_checkpoint: expert-parallel models are not supported yet");
+  }
+  if (!parallelism.tensor_parallel_split() && hf::is_tensor_parallel_split(model)) {
+    throw Error(
+        "mdist::quant: export_hf_checkpoint: the model is split by tensor parallelism; "
+        "pass its hf::Parallelism");
+  }
+  // Every check runs on every rank alike (the same model, the same synced quantizers), before
+  // any collective and any file.
+  std::map<std::string, at::Tensor> local_parameters;
+  for (const auto& item : model->named_parameters()) local_parameters[item.key()] = item.value();
+  check_fp32(local_parameters);
   // modelopt lists every module that carries quantizers and quantizes nothing, in module
   // order: the embedding (a QuantEmbedding there), the disabled Linears, a tied lm_head
   // (a Linear in transformers).
@@ -175,12 +209,30 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
           "mdist::quant: export_hf_checkpoint: layers are quantized in several formats "
           "(modelopt's MIXED_PRECISION); not supported yet");
     }
+    if (!q->input_quantizer->has_amax()) {
+      throw Error("mdist::quant: export_hf_checkpoint: " + q->name +
+                  ".input_quantizer has no amax (no calibration input reached it)");
+    }
     format = layer;
     quantized.push_back(q->name);
-    export_linear(*q, layer, tensors);
   }
   if (!format) throw Error("mdist::quant: export_hf_checkpoint: no layer is quantized");
   if (!model->lm_head) unquantized.push_back("lm_head");
+
+  const at::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> tensors = whole_parameters(model, parallelism);
+  std::map<std::string, at::Tensor> weight_amax;
+  for (const auto& q : quantizers.linears()) {
+    if (layer_format(*q) != LayerFormat::none) {
+      weight_amax[q->name] = whole_weight_amax(*q, parallelism);
+    }
+  }
+  if (mdist::is_initialized() && !mdist::is_master()) return;
+  for (const auto& q : quantizers.linears()) {
+    if (weight_amax.contains(q->name)) {
+      export_linear(*q, *format, weight_amax.at(q->name), tensors);
+    }
+  }
   write_files(model, tensors, *format, summarize_exclude_modules(unquantized, quantized), dir);
 }
 

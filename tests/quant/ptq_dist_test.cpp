@@ -155,6 +155,18 @@ TEST_P(PtqTensorParallel, EachRankHoldsItsPartOfModeloptsAmax) {
   // An activation amax one ulp away moves the scale of every code of that tensor, and the
   // split matmuls round differently anyway: measured up to 4.2e-6 (llama fp8, tp 4).
   EXPECT_LT(relative(loss, modelopt), 1e-5) << loss << " vs " << modelopt;
+
+  // The export joined from the split layers: weights and weight scales byte for byte, input
+  // scales (activation amaxes) within 1e-6.
+  const auto out = std::filesystem::path(::testing::TempDir()) /
+                   ("ptq_tp_export_" + arch + preset + "_tp" + std::to_string(t));
+  if (mdist::is_master()) std::filesystem::remove_all(out);
+  mdist::barrier();
+  mdist::quant::export_hf_checkpoint(model, *quantizers, out, parallelism);
+  mdist::barrier();
+  if (mdist::is_master()) {
+    mdist::quant::testing::expect_export_equals_modelopt(out, arch, preset, 1e-6);
+  }
   if (mdist::rank() == 0) {
     std::cout << arch << " " << preset << " tp=" << t << ": input amax max relative difference "
               << worst << ", loss relative difference " << relative(loss, modelopt) << std::endl;

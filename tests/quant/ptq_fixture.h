@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -108,15 +109,22 @@ inline ::testing::AssertionResult same_bytes(const at::Tensor& actual, const at:
 
 // The export in `out` against modelopt's export_hf_checkpoint fixture: every tensor's dtype,
 // shape and bytes; hf_quant_config.json and config.json's quantization_config as JSON, the
-// producer's version aside.
+// producer's version aside. `input_scale_tolerance` > 0: input scales (from activation amaxes)
+// within that relative difference instead of equal (a layout that sums in another order).
 inline void expect_export_equals_modelopt(const std::filesystem::path& out, const std::string& arch,
-                                          const std::string& preset) {
+                                          const std::string& preset,
+                                          double input_scale_tolerance = 0.0) {
   const auto expected_dir = fixture_dir(arch) / ("export_" + preset);
   const hf::SafetensorsFile expected(expected_dir / "model.safetensors");
   const hf::SafetensorsFile actual(out / "model.safetensors");
   EXPECT_EQ(actual.names(), expected.names());
   for (const auto& name : expected.names()) {
     if (!actual.contains(name)) continue;
+    if (input_scale_tolerance > 0.0 && name.ends_with(".input_scale")) {
+      const double a = actual.tensor(name).item<double>(), e = expected.tensor(name).item<double>();
+      EXPECT_LE(std::abs(a - e) / e, input_scale_tolerance) << name;
+      continue;
+    }
     EXPECT_TRUE(same_bytes(actual.tensor(name), expected.tensor(name))) << name;
   }
   auto hf_quant = read_json(out / "hf_quant_config.json");

@@ -22,10 +22,13 @@
 // The producer is {"name": "modelopt", "version": "0.47.0 (mdist)"}: the format's name, so
 // that loaders that check it accept the checkpoint, and the version whose format this is.
 //
-// Every file is written atomically (a temporary file renamed into place), by rank 0 only. A
-// model wrapped by fully_shard is gathered (collective: every rank calls this; the amax is
-// the same on every rank after quantize's sync); a replicated one is read on rank 0.
-// Scope, each refused with an Error: a model split by tensor or expert parallelism, weights
+// Every file is written atomically (a temporary file renamed into place), by rank 0 only.
+// Collective: every rank calls it. A model wrapped by fully_shard is gathered, one split by
+// tensor parallelism joined (as hf::save_pretrained does), and a column-parallel per-row
+// weight amax joined from the ranks' rows; the other amaxes are equal on every rank after
+// quantize's sync. Under tensor parallelism the activation amaxes (so input_scale) can differ
+// from one process's in the last bits (the split sums in another order); weights and weight
+// scales do not. Scope, each refused with an Error: expert-parallel models, weights
 // other than fp32 (bf16 export has not been
 // compared with modelopt's yet), layers quantized in another way than the two presets
 // (mixed precision, weight-only), and modelopt's fused-layer preprocessing, which the two
@@ -34,12 +37,15 @@
 #include <filesystem>
 
 #include "mdist/hf/causal_lm.h"
+#include "mdist/hf/parallelize.h"
 #include "mdist/quant/quantize.h"
 
 namespace mdist::quant {
 
+// `parallelism`: how the model is split (hf::apply_parallelism's result; empty when not).
 void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers,
-                          const std::filesystem::path& dir);
+                          const std::filesystem::path& dir,
+                          const hf::Parallelism& parallelism = hf::Parallelism());
 
 // modelopt's `_prefix_wildcard_summarize_exclude_modules`: the unquantized module names
 // summarised by prefix wildcards at dot boundaries ("model.layers.0.mlp.gate*" or the pair
