@@ -5,7 +5,8 @@ Hugging Face model, the expected numbers of mdist::quant::quantize (tests/quant/
 The environment (modelopt is never a run-time dependency of mdist): see make_fixtures.py.
   /work/venv-quant/bin/python tests/quant/make_ptq_fixtures.py
 
-For each architecture a seeded random model is built with transformers in fp32 and saved with
+For each architecture a seeded random model is built with transformers in fp32 (and
+ptq_qwen3_bf16: the Qwen3 model in bf16) and saved with
 save_pretrained (config.json + model.safetensors: the checkpoint the C++ test loads). Then, on
 CPU, for each preset (fp8 = mtq.FP8_DEFAULT_CFG, int8 = mtq.INT8_DEFAULT_CFG), a fresh copy of
 that model goes through modelopt's own
@@ -123,8 +124,8 @@ def write_exclude_cases():
         print("exclude_modules", case[2])
 
 
-def write(arch, config_cls, model_cls, extra):
-    model = build(config_cls, model_cls, extra)
+def write(arch, config_cls, model_cls, extra, dtype=torch.float32):
+    model = build(config_cls, model_cls, extra).to(dtype)
     out_dir = HERE / f"ptq_{arch}"
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
@@ -159,7 +160,7 @@ def write(arch, config_cls, model_cls, extra):
         # dtype given: without it modelopt 0.47 takes transformers 5's config.dtype, here the
         # string "float32", and fails in weight.to("float32") ("Invalid device string").
         export_dir = out_dir / f"export_{preset}"
-        export_hf_checkpoint(quantized, dtype=torch.float32, export_dir=str(export_dir))
+        export_hf_checkpoint(quantized, dtype=dtype, export_dir=str(export_dir))
         (export_dir / "generation_config.json").unlink(missing_ok=True)
         print(arch, preset, "loss", tensors["loss"].item(), "->", loss.item(),
               len(amax), "amax buffers,", sum(enabled), "of", len(names), "quantizers enabled")
@@ -171,3 +172,5 @@ write_wildcards()
 write_exclude_cases()
 for arch, (config_cls, model_cls, extra) in ARCHS.items():
     write(arch, config_cls, model_cls, extra)
+# The same Qwen3 in bf16 (its own checkpoint): modelopt's export arithmetic differs by dtype.
+write("qwen3_bf16", *ARCHS["qwen3"], dtype=torch.bfloat16)
