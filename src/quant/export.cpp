@@ -2,6 +2,8 @@
 #include "mdist/quant/export.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <nlohmann/json.hpp>
 
 #include <limits>
@@ -55,11 +57,15 @@ LayerFormat layer_format(const QuantizedLinear& q) {
 at::Tensor scaling_factor(const at::Tensor& amax, double maxbound) {
   at::Tensor sanitized =
       at::nan_to_num(at::where(amax == 0, at::full_like(amax, maxbound), amax), maxbound);
-  const auto dtype = amax.scalar_type();
-  const double tiny = dtype == at::kBFloat16 ? 1.1754943508222875e-38
-                      : dtype == at::kHalf   ? 6.103515625e-05
-                                             : std::numeric_limits<float>::min();
-  const double top = dtype == at::kHalf ? 65504.0 : std::numeric_limits<float>::max();
+  // torch.finfo(amax.dtype).tiny and .max.
+  double tiny = std::numeric_limits<float>::min(), top = std::numeric_limits<float>::max();
+  if (amax.scalar_type() == at::kBFloat16) {
+    tiny = static_cast<float>(std::numeric_limits<c10::BFloat16>::min());
+    top = static_cast<float>(std::numeric_limits<c10::BFloat16>::max());
+  } else if (amax.scalar_type() == at::kHalf) {
+    tiny = static_cast<float>(std::numeric_limits<c10::Half>::min());
+    top = static_cast<float>(std::numeric_limits<c10::Half>::max());
+  }
   sanitized = sanitized.clamp(tiny, top);
   return sanitized.to(at::kFloat) / maxbound;
 }
@@ -71,14 +77,20 @@ at::Tensor scaling_factor(const at::Tensor& amax, double maxbound) {
 void export_linear(const QuantizedLinear& q, LayerFormat format, const at::Tensor& weight_amax,
                    std::map<std::string, at::Tensor>& tensors) {
   const at::Tensor weight = tensors.at(q.name + ".weight");
-  const at::Tensor weight_scale =
-      scaling_factor(weight_amax, q.weight_quantizer->format().maxbound()).reshape({-1});
   const at::Tensor input_scale =
       scaling_factor(q.input_quantizer->amax(), q.input_quantizer->format().maxbound());
+  at::Tensor weight_scale;
   if (format == LayerFormat::fp8) {
-    // A per-tensor amax is exported with shape [1] (export_amax's unsqueeze(0)).
+    // modelopt's FP8 branch of `_export_quantized_weight`: amax to fp32, a 0-d scale
+    // amax / 448 (no sanitising), and W / scale in the weights' dtype (a 0-d tensor does not
+    // promote: bf16 weights are divided in bf16).
+    weight_scale = weight_amax.to(at::kFloat).reshape({}) / 448.0;
     tensors[q.name + ".weight"] = (weight / weight_scale).to(at::kFloat8_e4m3fn);
   } else {
+    // `to_quantized_weight` with the [out] fp32 scale of get_weight_scaling_factor: the
+    // [out, 1] divisor promotes bf16 weights to fp32.
+    weight_scale =
+        scaling_factor(weight_amax, q.weight_quantizer->format().maxbound()).reshape({-1});
     tensors[q.name + ".weight"] =
         (weight / weight_scale.unsqueeze(1)).round().clamp(-128, 127).to(at::kChar);
   }
@@ -86,12 +98,12 @@ void export_linear(const QuantizedLinear& q, LayerFormat format, const at::Tenso
   tensors[q.name + ".input_scale"] = input_scale.squeeze();
 }
 
-void check_fp32(const std::map<std::string, at::Tensor>& tensors) {
+void check_dtypes(const std::map<std::string, at::Tensor>& tensors) {
   for (const auto& [name, tensor] : tensors) {
-    if (tensor.scalar_type() != at::kFloat) {
+    if (tensor.scalar_type() != at::kFloat && tensor.scalar_type() != at::kBFloat16) {
       throw Error("mdist::quant: export_hf_checkpoint: " + name + " is " +
                   std::string(c10::toString(tensor.scalar_type())) +
-                  "; only fp32 models can be exported yet");
+                  "; only fp32 and bf16 models can be exported yet");
     }
   }
 }
@@ -192,7 +204,7 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
   // any collective and any file.
   std::map<std::string, at::Tensor> local_parameters;
   for (const auto& item : model->named_parameters()) local_parameters[item.key()] = item.value();
-  check_fp32(local_parameters);
+  check_dtypes(local_parameters);
   // modelopt lists every module that carries quantizers and quantizes nothing, in module
   // order: the embedding (a QuantEmbedding there), the disabled Linears, a tied lm_head
   // (a Linear in transformers).

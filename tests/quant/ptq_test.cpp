@@ -170,21 +170,52 @@ TEST_P(Ptq, ExportEqualsModeloptsByteForByte) {
   mdist::quant::testing::expect_export_equals_modelopt(out, arch, preset);
 }
 
+// A bf16 model: modelopt divides FP8 weights in bf16 (a 0-d fp32 scale does not promote) and
+// INT8 weights in fp32 (an [out, 1] scale does); weights and weight scales byte for byte. The
+// input scales come from bf16 activations, whose amax is compared to one bf16 step.
+class PtqBf16 : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PtqBf16, ExportEqualsModeloptsByteForByte) {
+  const std::string preset = GetParam();
+  const PtqFixture fixture("qwen3_bf16");
+  mdist::hf::CausalLM model =
+      mdist::hf::load_pretrained(mdist::quant::testing::fixture_dir("qwen3_bf16"));
+  model->to(at::kBFloat16);
+  std::vector<int64_t> all(static_cast<std::size_t>(fixture.batches()));
+  std::iota(all.begin(), all.end(), 0);
+  const auto quantizers =
+      mdist::quant::quantize(model, QuantConfig::preset(preset), forward_batches(fixture, all));
+  const auto out = std::filesystem::path(::testing::TempDir()) / ("ptq_export_bf16_" + preset);
+  std::filesystem::remove_all(out);
+  mdist::quant::export_hf_checkpoint(model, *quantizers, out);
+  mdist::quant::testing::expect_export_equals_modelopt(out, "qwen3_bf16", preset, 1.0 / 128);
+  int64_t equal = 0, total = 0;
+  for (const auto& [name, amax] : fixture.amax(preset)) {
+    if (name.find(".input_quantizer.") == std::string::npos) continue;
+    ++total;
+    equal += at::equal(quantizers->amax_state_dict().at(name).to(at::kFloat), amax) ? 1 : 0;
+  }
+  std::cout << "qwen3 bf16 " << preset << ": " << equal << " of " << total
+            << " input amaxes equal to modelopt's" << std::endl;
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, PtqBf16, ::testing::Values("fp8", "int8"));
+
 // What the export does not cover yet is refused before anything is written.
 TEST(PtqExport, RefusesWhatItCannotWriteYet) {
   const PtqFixture fixture("qwen3");
   const auto dir = mdist::quant::testing::fixture_dir("qwen3");
   const auto out = std::filesystem::path(::testing::TempDir()) / "ptq_export_refused";
   std::filesystem::remove_all(out);
-  mdist::hf::CausalLM bf16 = mdist::hf::load_pretrained(dir);
-  bf16->to(at::kBFloat16);
+  mdist::hf::CausalLM half = mdist::hf::load_pretrained(dir);
+  half->to(at::kHalf);
   const auto quantized =
-      mdist::quant::quantize(bf16, QuantConfig::preset("fp8"), forward_batches(fixture, {0}));
+      mdist::quant::quantize(half, QuantConfig::preset("fp8"), forward_batches(fixture, {0}));
   try {
-    mdist::quant::export_hf_checkpoint(bf16, *quantized, out);
+    mdist::quant::export_hf_checkpoint(half, *quantized, out);
     FAIL() << "no exception";
   } catch (const mdist::Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("only fp32 models"));
+    EXPECT_THAT(e.what(), HasSubstr("only fp32 and bf16 models"));
   }
   mdist::hf::CausalLM model = mdist::hf::load_pretrained(dir);
   QuantConfig weight_only = QuantConfig::preset("int8");
