@@ -13,8 +13,10 @@
 //                           -128, 127), weight_scale f32 [out] = row amax / 127,
 //                           input_scale f32 [] = amax / 127
 //   with modelopt's export arithmetic (not the fake quant's: it divides by the scale, where
-//   fake quant multiplies by its reciprocal), amaxes first sanitised as modelopt's
-//   `export_amax` (0 or NaN -> maxbound, then clamped to [fp32 tiny, fp32 max]);
+//   fake quant multiplies by its reciprocal). FP8 weights: amax in fp32, a 0-d scale, W divided
+//   in the weights' dtype (bf16 stays bf16). INT8 weights and all input scales: the amax first
+//   sanitised as modelopt's `export_amax` (0 or NaN -> maxbound, clamped to the amax dtype's
+//   [tiny, max]); the [out, 1] scale promotes bf16 weights to fp32 for the division;
 // out/hf_quant_config.json: {"producer", "quantization": {"quant_algo", "kv_cache_quant_algo":
 //   null, "exclude_modules"}}, exclude_modules summarised with modelopt's prefix wildcards;
 // out/config.json: the model's config with `quantization_config` (FP8: config_groups with
@@ -29,8 +31,7 @@
 // quantize's sync. Under tensor parallelism the activation amaxes (so input_scale) can differ
 // from one process's in the last bits (the split sums in another order); weights and weight
 // scales do not. Scope, each refused with an Error: expert-parallel models, weights
-// other than fp32 (bf16 export has not been
-// compared with modelopt's yet), layers quantized in another way than the two presets
+// other than fp32 and bf16, layers quantized in another way than the two presets
 // (mixed precision, weight-only), and modelopt's fused-layer preprocessing, which the two
 // presets do not need: FP8 is excluded from it, and INT8's q/k/v and gate/up share one input
 // (so one input amax already) and keep per-row weight scales.
