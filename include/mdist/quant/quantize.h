@@ -1,0 +1,127 @@
+#pragma once
+// Post-training quantization of an hf::CausalLM as modelopt 0.47's
+// `mtq.quantize(model, config, forward_loop)` with max calibration: an input and a weight
+// TensorQuantizer on every torch::nn::Linear, configured by the QuantConfig's rules,
+// calibrated on the forward loop, synced across ranks, then fake-quantizing in every forward.
+//
+//   auto quantized = mdist::quant::quantize(model, mdist::quant::QuantConfig::preset("fp8"),
+//       [&](mdist::hf::CausalLM& m) { for (const auto& ids : calib) m->forward(ids); });
+//   const at::Tensor loss = model->loss(model->forward(ids), ids);   // the quantized loss
+//   quantized.reset();                                                 // the model as before
+//
+// The quantizers live in the returned ModelQuantizers, not in the model: the model's modules,
+// parameters and state dict stay as they are (saving it writes the unquantized weights), and
+// the fake quant is applied by forward hooks (mdist/nn/hooks.h) for as long as the object
+// lives. So it works on a plain model and on one split or wrapped by hf::apply_parallelism
+// alike: the hooks run inside the Linear's call, where FSDP has gathered its weight and tensor
+// parallelism has cut it. Its quantizers are named as modelopt names them
+// (`model.layers.0.self_attn.q_proj.weight_quantizer`), and amax_state_dict() gives modelopt's
+// state-dict keys (`....weight_quantizer._amax`).
+//
+// Calibration, as modelopt's `max_calibrate`:
+//  1. every enabled quantizer goes into calibrate mode; every enabled weight quantizer first
+//     sees its weight (`weight_only_quantize`), so a Linear that the loop never reaches still
+//     gets its weight amax. A model wrapped by fully_shard holds no whole weight outside its
+//     forward: there the weights are taken inside the loop's forwards instead (the same max),
+//     and an enabled weight quantizer whose Linear never ran is an Error naming it;
+//  2. the forward loop runs (each rank its own data); every enabled quantizer keeps the
+//     running max |x| (per row for a per-row weight);
+//  3. each quantizer's amax is that max; quantizers that saw nothing (an input no token
+//     reached) have none and quantize with their input's own max, as modelopt's;
+//  4. the amax is synced (MAX) across ranks, modelopt's rules: every quantizer over the data-
+//     parallel group; under tensor parallelism (`parallelism`) over the tensor-parallel group
+//     a column-parallel Linear's per-tensor input and weight amax, a row-parallel Linear's
+//     per-tensor input and its per-tensor or per-row weight amax. A column-parallel per-row
+//     weight amax stays per shard (its rows are this rank's). Unlike modelopt, a quantizer
+//     with an amax on some ranks of a group and none on others is synced too (ranks without
+//     one count as 0), instead of leaving the ranks to run mismatched collectives;
+//  5. every enabled quantizer goes into quantize mode.
+// Then forward applies, per Linear, y = linear(input_quantizer(x), weight_quantizer(W), b)
+// with the straight-through backward (modelopt's default pass-through).
+//
+// Not covered (Errors, or documented in docs/quantization.md): a tied head whose quantizers the
+// configuration enables (the tied head is no Linear module in mdist), calibration algorithms
+// other than max, KV-cache quantizers, expert parallelism.
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mdist/groups/parallel_state.h"
+#include "mdist/hf/causal_lm.h"
+#include "mdist/hf/parallelize.h"
+#include "mdist/nn/hooks.h"
+#include "mdist/quant/quant_config.h"
+#include "mdist/quant/tensor_quantizer.h"
+
+namespace mdist::quant {
+
+// Runs calibration data through the model (modelopt's `forward_loop`): forwards only, the
+// caller's batches, on this rank's share of the data.
+using ForwardLoop = std::function<void(hf::CausalLM& model)>;
+
+struct QuantizeOptions {
+  // The groups amax is synced over (data parallel: all; tensor parallel: the rules above).
+  ParallelState parallel = ParallelState();
+  // How the model is split (hf::apply_parallelism's result): which Linears are column- and
+  // row-parallel. Empty for an unsplit model.
+  hf::Parallelism parallelism = hf::Parallelism();
+};
+
+class ModelQuantizers;
+
+// Inserts the quantizers `config` enables into `model`, calibrates them on `forward_loop` and
+// turns fake quant on. Collective over the groups of `options` (every rank calls it). Throws
+// InputError for an algorithm other than "max" and Error as described above.
+std::unique_ptr<ModelQuantizers> quantize(hf::CausalLM& model, const QuantConfig& config,
+                                          const ForwardLoop& forward_loop,
+                                          const QuantizeOptions& options = {});
+
+// One quantized Linear: its name, its two quantizers (a disabled quantizer is present, in
+// mode disabled, so that the configuration's outcome can be inspected).
+struct QuantizedLinear {
+  std::string name;  // the Linear's module name, "model.layers.0.mlp.up_proj"
+  std::shared_ptr<torch::nn::LinearImpl> linear;
+  TensorQuantizer input_quantizer{nullptr};
+  TensorQuantizer weight_quantizer{nullptr};
+  // The weight the Linear held before a quantized forward swapped in its fake-quantized copy.
+  at::Tensor saved_weight;
+};
+
+// The quantizers of one model and the hooks that apply them; removing the hooks on
+// destruction leaves the model as it was. Neither copyable nor movable (the hooks refer to it).
+class ModelQuantizers {
+ public:
+  // Puts quantizers on every Linear of `model` as `config` resolves them (all disabled until
+  // set_mode); throws Error when the config enables a tied head's quantizers.
+  ModelQuantizers(hf::CausalLM& model, const QuantConfig& config);
+  ~ModelQuantizers();
+  ModelQuantizers(const ModelQuantizers&) = delete;
+  ModelQuantizers& operator=(const ModelQuantizers&) = delete;
+
+  // Calibrate (steps 1-4 above) and switch to quantize mode.
+  void calibrate(const ForwardLoop& forward_loop, const QuantizeOptions& options);
+  // Every enabled quantizer to `mode` (disabled ones stay disabled).
+  void set_mode(TensorQuantizerImpl::Mode mode);
+
+  // Per Linear, in module order.
+  const std::vector<std::unique_ptr<QuantizedLinear>>& linears() const { return linears_; }
+  // Every quantizer by its modelopt name ("<linear>.input_quantizer" / ".weight_quantizer").
+  std::map<std::string, TensorQuantizer> quantizers() const;
+  // "<quantizer name>._amax" -> amax, for every quantizer that has one (modelopt's keys).
+  std::map<std::string, at::Tensor> amax_state_dict() const;
+
+ private:
+  void install_hooks(QuantizedLinear& linear);
+  void calibrate_weights_directly();
+  void load_calib_amax(bool weights_from_forward);
+  void sync_amax(const QuantizeOptions& options);
+
+  hf::CausalLM model_;
+  QuantConfig config_;
+  std::vector<std::unique_ptr<QuantizedLinear>> linears_;
+  std::vector<nn::HookHandle> hooks_;
+};
+
+}  // namespace mdist::quant

@@ -1,0 +1,226 @@
+// quant::quantize: quantizers on every Linear of an hf::CausalLM through forward hooks,
+// modelopt 0.47's max calibration and amax sync, then fake quant in forward.
+#include "mdist/quant/quantize.h"
+
+#include <ATen/ATen.h>
+
+#include <utility>
+
+#include "mdist/error.h"
+#include "mdist/fsdp/fully_shard.h"
+#include "src/quant/amax_sync.h"
+
+namespace mdist::quant {
+namespace {
+
+using Mode = TensorQuantizerImpl::Mode;
+
+// modelopt registers its quantized modules under these class names (QuantModuleRegistry);
+// parent_class rules compare against them. Every quantizer here belongs to a Linear.
+constexpr const char* kLinearClass = "nn.Linear";
+
+TensorQuantizer make_quantizer(const ResolvedQuantizer& resolved) {
+  TensorQuantizer quantizer(resolved.format);
+  // An enabled quantizer starts as modelopt's does after set_quantizer_by_cfg: quantizing,
+  // with no amax yet (its input's own max).
+  quantizer->set_mode(resolved.enabled ? Mode::quantize : Mode::disabled);
+  return quantizer;
+}
+
+// A tied head computes logits with embed_tokens.weight inside CausalLM's forward: there is no
+// Linear to hook. modelopt quantizes transformers' lm_head Linear only if a rule enables it
+// (every preset disables "*lm_head*"), so only such a configuration is refused.
+void check_tied_head(const hf::CausalLM& model, const QuantConfig& config) {
+  if (model->lm_head) return;
+  for (const auto role : {QuantizerRole::input, QuantizerRole::weight}) {
+    const std::string name =
+        role == QuantizerRole::input ? "lm_head.input_quantizer" : "lm_head.weight_quantizer";
+    if (config.resolve(name, kLinearClass, role).enabled) {
+      throw Error("mdist::quant: the configuration '" + config.name + "' enables " + name +
+                  ", but this model's head is tied to embed_tokens and cannot be quantized");
+    }
+  }
+}
+
+// Which way tensor parallelism splits a Linear (its weight's placement in the plan).
+enum class TpSplit { none, column, row };
+
+TpSplit tp_split(const hf::Parallelism& parallelism, const std::string& linear) {
+  if (!parallelism.tensor_parallel_split()) return TpSplit::none;
+  switch (parallelism.tensor_parallel->placement(linear + ".weight").split) {
+    case hf::TensorParallelPlacement::Split::kRows:
+      return TpSplit::column;
+    case hf::TensorParallelPlacement::Split::kColumns:
+      return TpSplit::row;
+    case hf::TensorParallelPlacement::Split::kReplicated:
+      break;
+  }
+  return TpSplit::none;
+}
+
+// modelopt's TP rule (max_calibrate, sync_quantizer_amax_across_tp): column-parallel syncs
+// input and weight amax of axis None (or -1, which no preset uses); row-parallel the input of
+// axis None and the weight of axis None or 0. Static blocks are never synced.
+bool syncs_over_tp(TpSplit split, QuantizerRole role, const QuantFormat& format) {
+  if (split == TpSplit::none || format.block_kind() == BlockKind::static_blocks) return false;
+  const bool per_tensor = format.axis() == Axis::per_tensor;
+  if (split == TpSplit::column || role == QuantizerRole::input) return per_tensor;
+  return true;  // a row-parallel weight, per tensor or per output row
+}
+
+}  // namespace
+
+ModelQuantizers::ModelQuantizers(hf::CausalLM& model, const QuantConfig& config)
+    : model_(model), config_(config) {
+  check_tied_head(model_, config_);
+  for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
+    auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(item.value());
+    if (!linear) continue;
+    auto quantized = std::make_unique<QuantizedLinear>();
+    quantized->name = item.key();
+    quantized->linear = std::move(linear);
+    quantized->input_quantizer = make_quantizer(
+        config_.resolve(item.key() + ".input_quantizer", kLinearClass, QuantizerRole::input));
+    quantized->weight_quantizer = make_quantizer(
+        config_.resolve(item.key() + ".weight_quantizer", kLinearClass, QuantizerRole::weight));
+    install_hooks(*quantized);
+    linears_.push_back(std::move(quantized));
+  }
+}
+
+ModelQuantizers::~ModelQuantizers() {
+  for (auto& hook : hooks_) hook.remove();
+  // A forward that threw mid-way has restored its weight in the error hook; nothing else can
+  // still hold a swapped weight here.
+}
+
+void ModelQuantizers::install_hooks(QuantizedLinear& q) {
+  // The pre-hook runs inside the Linear's call: after FSDP's pre-hooks (registered when the
+  // model was wrapped, before these) have gathered the weight, and on tensor parallelism's
+  // local part of it. modelopt's QuantLinear: input_quantizer(x), weight_quantizer(W).
+  hooks_.push_back(
+      nn::register_forward_pre_hook(*q.linear, [&q](torch::nn::Module&, nn::TensorRefs& inputs) {
+        if (inputs.empty()) return;
+        if (q.input_quantizer->is_enabled()) *inputs.front() = q.input_quantizer(*inputs.front());
+        if (!q.weight_quantizer->is_enabled()) return;
+        if (q.weight_quantizer->mode() == Mode::calibrate) {
+          q.weight_quantizer(q.linear->weight);  // collects; the weight stays as it is
+          return;
+        }
+        // The fake-quantized weight replaces the Linear's member (not its registered
+        // parameter) for this call only; the hooks below put the original back.
+        q.saved_weight = q.linear->weight;
+        q.linear->weight = q.weight_quantizer(q.saved_weight);
+      }));
+  const auto restore = [&q] {
+    if (!q.saved_weight.defined()) return;
+    q.linear->weight = std::move(q.saved_weight);
+    q.saved_weight = at::Tensor();
+  };
+  hooks_.push_back(nn::register_forward_hook(
+      *q.linear, [restore](torch::nn::Module&, nn::TensorRefs&) { restore(); }));
+  hooks_.push_back(
+      nn::register_forward_error_hook(*q.linear, [restore](torch::nn::Module&) { restore(); }));
+}
+
+void ModelQuantizers::set_mode(Mode mode) {
+  for (const auto& q : linears_) {
+    for (auto* quantizer : {&q->input_quantizer, &q->weight_quantizer}) {
+      if ((*quantizer)->is_enabled()) (*quantizer)->set_mode(mode);
+    }
+  }
+}
+
+std::map<std::string, TensorQuantizer> ModelQuantizers::quantizers() const {
+  std::map<std::string, TensorQuantizer> all;
+  for (const auto& q : linears_) {
+    all.emplace(q->name + ".input_quantizer", q->input_quantizer);
+    all.emplace(q->name + ".weight_quantizer", q->weight_quantizer);
+  }
+  return all;
+}
+
+std::map<std::string, at::Tensor> ModelQuantizers::amax_state_dict() const {
+  std::map<std::string, at::Tensor> amax;
+  for (const auto& [name, quantizer] : quantizers()) {
+    if (quantizer->has_amax()) amax.emplace(name + "._amax", quantizer->amax());
+  }
+  return amax;
+}
+
+// modelopt's weight_only_quantize: every enabled weight quantizer sees its Linear's weight,
+// whether or not the forward loop will reach the Linear.
+void ModelQuantizers::calibrate_weights_directly() {
+  for (const auto& q : linears_) {
+    if (q->weight_quantizer->is_enabled()) q->weight_quantizer(q->linear->weight);
+  }
+}
+
+// modelopt's finish_stats_collection with the max calibrator: amax = the collected max.
+void ModelQuantizers::load_calib_amax(bool weights_from_forward) {
+  for (const auto& q : linears_) {
+    if (q->input_quantizer->is_enabled() && q->input_quantizer->calib_amax().defined()) {
+      q->input_quantizer->load_calib_amax();
+    }
+    if (!q->weight_quantizer->is_enabled()) continue;
+    if (!q->weight_quantizer->calib_amax().defined() && weights_from_forward) {
+      throw Error("mdist::quant: " + q->name +
+                  " never ran in the calibration loop; the weights of a model wrapped by "
+                  "fully_shard are calibrated in its forwards, so every quantized Linear must run");
+    }
+    q->weight_quantizer->load_calib_amax();
+  }
+  for (const auto& q : linears_) {
+    q->input_quantizer->reset_calibration();
+    q->weight_quantizer->reset_calibration();
+  }
+}
+
+void ModelQuantizers::sync_amax(const QuantizeOptions& options) {
+  // The packed buffer lives where the Linears compute (their weights' device; FSDP's full
+  // parameters are on the compute device).
+  const c10::Device device =
+      linears_.empty() ? c10::Device(c10::kCPU) : linears_.front()->linear->weight.device();
+  std::vector<detail::AmaxToSync> all, over_tp;
+  for (const auto& q : linears_) {
+    const TpSplit split = tp_split(options.parallelism, q->name);
+    for (const auto role : {QuantizerRole::input, QuantizerRole::weight}) {
+      const TensorQuantizer& quantizer =
+          role == QuantizerRole::input ? q->input_quantizer : q->weight_quantizer;
+      if (!quantizer->is_enabled()) continue;
+      const std::string name =
+          q->name + (role == QuantizerRole::input ? ".input_quantizer" : ".weight_quantizer");
+      all.push_back({name, quantizer});
+      if (syncs_over_tp(split, role, quantizer->format())) over_tp.push_back({name, quantizer});
+    }
+  }
+  detail::sync_amax_max(all, options.parallel.data_parallel_group, device);
+  detail::sync_amax_max(over_tp, options.parallel.tensor_parallel_group, device);
+}
+
+void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeOptions& options) {
+  if (config_.algorithm != "max") {
+    throw InputError("mdist::quant: calibration algorithm '" + config_.algorithm +
+                     "' is not supported (only 'max')");
+  }
+  if (options.parallelism.expert_parallel) {
+    throw Error("mdist::quant: quantize does not support expert-parallel models yet");
+  }
+  const bool weights_from_forward = is_fsdp2_model(*model_);
+  set_mode(Mode::calibrate);
+  if (!weights_from_forward) calibrate_weights_directly();
+  if (forward_loop) forward_loop(model_);
+  load_calib_amax(weights_from_forward);
+  sync_amax(options);
+  set_mode(Mode::quantize);
+}
+
+std::unique_ptr<ModelQuantizers> quantize(hf::CausalLM& model, const QuantConfig& config,
+                                          const ForwardLoop& forward_loop,
+                                          const QuantizeOptions& options) {
+  auto quantizers = std::make_unique<ModelQuantizers>(model, config);
+  quantizers->calibrate(forward_loop, options);
+  return quantizers;
+}
+
+}  // namespace mdist::quant

@@ -1,0 +1,143 @@
+#pragma once
+// The PTQ fixtures of make_ptq_fixtures.py (modelopt 0.47's mtq.quantize of tiny HF models),
+// shared by the single-process and the multi-rank tests.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mdist/hf/safetensors.h"
+#include "mdist/quant/quantize.h"
+
+namespace mdist::quant::testing {
+
+inline std::filesystem::path fixture_dir(const std::string& arch) {
+  return std::filesystem::path(MDIST_QUANT_FIXTURES) / ("ptq_" + arch);
+}
+
+class PtqFixture {
+ public:
+  explicit PtqFixture(const std::string& arch)
+      : file_(fixture_dir(arch) / "expected.safetensors") {}
+
+  at::Tensor tensor(const std::string& name) const { return file_.tensor(name).clone(); }
+  bool contains(const std::string& name) const { return file_.contains(name); }
+  int64_t batches() const { return file_.info("calib").shape.front(); }
+  at::Tensor batch(int64_t index) const { return tensor("calib")[index]; }
+  at::Tensor eval_ids() const { return tensor("eval_ids"); }
+
+  // A comma-separated metadata entry.
+  std::vector<std::string> list(const std::string& key) const {
+    std::vector<std::string> items;
+    std::stringstream in(file_.metadata().at(key));
+    for (std::string item; std::getline(in, item, ',');) items.push_back(item);
+    return items;
+  }
+
+  // "<preset>.<quantizer>._amax" entries of the fixture, keyed without the preset prefix.
+  std::map<std::string, at::Tensor> amax(const std::string& preset) const {
+    std::map<std::string, at::Tensor> out;
+    const std::string prefix = preset + ".";
+    for (const auto& name : file_.names()) {
+      if (name.rfind(prefix, 0) == 0 && name.size() > 6 &&
+          name.compare(name.size() - 6, 6, "._amax") == 0) {
+        out.emplace(name.substr(prefix.size()), tensor(name));
+      }
+    }
+    return out;
+  }
+
+ private:
+  hf::SafetensorsFile file_;
+};
+
+// A forward loop over the fixture's calibration batches `indices` (each rank its own share).
+inline ForwardLoop forward_batches(const PtqFixture& fixture, std::vector<int64_t> indices) {
+  return [&fixture, indices](hf::CausalLM& model) {
+    const torch::NoGradGuard no_grad;
+    for (const int64_t i : indices) model->forward(fixture.batch(i));
+  };
+}
+
+inline double relative(double actual, double expected) {
+  return std::abs(actual - expected) / std::abs(expected);
+}
+
+// Bit-exact: the same shape and values (compared in fp32; modelopt's fp32 amax).
+inline ::testing::AssertionResult same_values(const at::Tensor& actual,
+                                              const at::Tensor& expected) {
+  if (actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure()
+           << "shape " << actual.sizes() << " vs " << expected.sizes();
+  }
+  const at::Tensor a = actual.to(at::kFloat), e = expected.to(at::kFloat);
+  if (!at::equal(a, e)) {
+    return ::testing::AssertionFailure()
+           << (a != e).sum().item<int64_t>() << " of " << a.numel()
+           << " differ, max relative difference " << ((a - e).abs() / e.abs()).max().item<double>();
+  }
+  return ::testing::AssertionSuccess();
+}
+
+inline nlohmann::json read_json(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+// The same tensor bytes: dtype, shape and every byte of the data.
+inline ::testing::AssertionResult same_bytes(const at::Tensor& actual, const at::Tensor& expected) {
+  if (actual.scalar_type() != expected.scalar_type() || actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure() << actual.scalar_type() << actual.sizes() << " vs "
+                                         << expected.scalar_type() << expected.sizes();
+  }
+  const at::Tensor a = actual.contiguous(), e = expected.contiguous();
+  if (std::memcmp(a.data_ptr(), e.data_ptr(), a.nbytes()) != 0) {
+    const at::Tensor differ = a.to(at::kFloat) != e.to(at::kFloat);
+    return ::testing::AssertionFailure()
+           << differ.sum().item<int64_t>() << " of " << a.numel() << " elements differ";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// The export in `out` against modelopt's export_hf_checkpoint fixture: every tensor's dtype,
+// shape and bytes; hf_quant_config.json and config.json's quantization_config as JSON, the
+// producer's version aside. `input_scale_tolerance` > 0: input scales (from activation amaxes)
+// within that relative difference instead of equal (a layout that sums in another order).
+inline void expect_export_equals_modelopt(const std::filesystem::path& out, const std::string& arch,
+                                          const std::string& preset,
+                                          double input_scale_tolerance = 0.0) {
+  const auto expected_dir = fixture_dir(arch) / ("export_" + preset);
+  const hf::SafetensorsFile expected(expected_dir / "model.safetensors");
+  const hf::SafetensorsFile actual(out / "model.safetensors");
+  EXPECT_EQ(actual.names(), expected.names());
+  for (const auto& name : expected.names()) {
+    if (!actual.contains(name)) continue;
+    if (input_scale_tolerance > 0.0 && name.ends_with(".input_scale")) {
+      const double a = actual.tensor(name).item<double>(), e = expected.tensor(name).item<double>();
+      EXPECT_LE(std::abs(a - e) / e, input_scale_tolerance) << name;
+      continue;
+    }
+    EXPECT_TRUE(same_bytes(actual.tensor(name), expected.tensor(name))) << name;
+  }
+  auto hf_quant = read_json(out / "hf_quant_config.json");
+  auto modelopt_hf_quant = read_json(expected_dir / "hf_quant_config.json");
+  EXPECT_EQ(hf_quant["producer"]["name"], modelopt_hf_quant["producer"]["name"]);
+  hf_quant.erase("producer");
+  modelopt_hf_quant.erase("producer");
+  EXPECT_EQ(hf_quant, modelopt_hf_quant);
+  auto config = read_json(out / "config.json").at("quantization_config");
+  auto modelopt_config = read_json(expected_dir / "config.json").at("quantization_config");
+  config["producer"].erase("version");
+  modelopt_config["producer"].erase("version");
+  EXPECT_EQ(config, modelopt_config);
+}
+
+}  // namespace mdist::quant::testing

@@ -1,0 +1,281 @@
+// mdist::quant's configuration rules and quantize() against modelopt 0.47 (fixtures from
+// make_ptq_fixtures.py): which quantizers each preset enables, every amax (exactly) and the
+// quantized model's loss (1e-6 relative), on tiny Llama (biases, tied head) and Qwen3 (GQA,
+// q/k norms) checkpoints, one process.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <string>
+#include <tuple>
+
+#include "mdist/error.h"
+#include "mdist/hf/pretrained.h"
+#include "mdist/hf/safetensors.h"
+#include "mdist/quant/export.h"
+#include "mdist/quant/quant_config.h"
+#include "mdist/quant/quantize.h"
+#include "mdist/quant/wildcard.h"
+#include "tests/quant/ptq_fixture.h"
+
+namespace {
+
+using mdist::quant::QuantConfig;
+using mdist::quant::QuantFormat;
+using mdist::quant::QuantizerRole;
+using mdist::quant::wildcard_match;
+using mdist::quant::testing::forward_batches;
+using mdist::quant::testing::PtqFixture;
+using mdist::quant::testing::relative;
+using mdist::quant::testing::same_values;
+using ::testing::HasSubstr;
+
+// Python's fnmatch.fnmatch on modelopt's exclusion patterns and fnmatch's corner cases.
+TEST(Wildcard, MatchesPythonFnmatch) {
+  std::ifstream in(std::string(MDIST_QUANT_FIXTURES) + "/wildcards.json");
+  const auto cases = nlohmann::json::parse(in);
+  ASSERT_GT(cases.size(), 100u);
+  int matched = 0;
+  for (const auto& c : cases) {
+    const std::string pattern = c.at(0), name = c.at(1);
+    const bool expected = c.at(2);
+    EXPECT_EQ(wildcard_match(pattern, name), expected) << "'" << pattern << "' on '" << name << "'";
+    matched += expected ? 1 : 0;
+  }
+  EXPECT_GT(matched, 10);  // both outcomes are exercised
+}
+
+// modelopt's prefix-wildcard summary of the modules an export leaves unquantized.
+TEST(ExcludeModules, SummaryEqualsModelopts) {
+  std::ifstream in(std::string(MDIST_QUANT_FIXTURES) + "/exclude_modules.json");
+  const auto cases = nlohmann::json::parse(in);
+  ASSERT_GE(cases.size(), 4u);
+  for (const auto& c : cases) {
+    const std::vector<std::string> unquantized = c.at(0), quantized = c.at(1), expected = c.at(2);
+    EXPECT_EQ(mdist::quant::summarize_exclude_modules(unquantized, quantized), expected);
+  }
+}
+
+TEST(QuantConfig, UnknownPresetIsOneLineInputError) {
+  try {
+    (void)QuantConfig::preset("fp4");
+    FAIL() << "no exception";
+  } catch (const mdist::InputError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("unknown quantization format 'fp4'"));
+    EXPECT_THAT(e.what(), HasSubstr("fp8, int8"));
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos);
+  }
+}
+
+TEST(QuantConfig, PresetFormats) {
+  const auto fp8 = QuantConfig::preset("fp8");
+  const auto int8 = QuantConfig::preset("int8");
+  const std::string name = "model.layers.0.mlp.up_proj";
+  EXPECT_EQ(fp8.resolve(name + ".weight_quantizer", "nn.Linear", QuantizerRole::weight).format,
+            QuantFormat::fp8());
+  EXPECT_EQ(fp8.resolve(name + ".input_quantizer", "nn.Linear", QuantizerRole::input).format,
+            QuantFormat::fp8());
+  EXPECT_EQ(int8.resolve(name + ".weight_quantizer", "nn.Linear", QuantizerRole::weight).format,
+            QuantFormat::int8_per_row());
+  EXPECT_EQ(int8.resolve(name + ".input_quantizer", "nn.Linear", QuantizerRole::input).format,
+            QuantFormat::int8());
+  // A rule without a format only toggles: the later "*: enable" keeps the earlier format.
+  QuantConfig toggled = fp8;
+  toggled.rules.push_back({"*lm_head*", std::nullopt, true, std::nullopt});
+  const auto head = toggled.resolve("lm_head.weight_quantizer", "nn.Linear", QuantizerRole::weight);
+  EXPECT_TRUE(head.enabled);
+  EXPECT_EQ(head.format, QuantFormat::fp8());
+  EXPECT_FALSE(fp8.resolve("lm_head.weight_quantizer", "nn.Linear", QuantizerRole::weight).enabled);
+}
+
+class Ptq : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+
+// The enabled flag of every quantizer modelopt put on the fixture model, from our rules (the
+// quantizer's role from its name; modelopt's output_quantizer and attention bmm quantizers
+// are disabled by "*" and have no mdist counterpart, checked as inputs).
+TEST_P(Ptq, ConfigEnablesWhatModeloptEnables) {
+  const auto& [arch, preset] = GetParam();
+  const PtqFixture fixture(arch);
+  const auto names = fixture.list(preset + ".quantizers");
+  const auto parents = fixture.list(preset + ".parents");
+  const at::Tensor enabled = fixture.tensor(preset + ".enabled");
+  ASSERT_EQ(names.size(), parents.size());
+  ASSERT_EQ(static_cast<int64_t>(names.size()), enabled.numel());
+  const auto config = QuantConfig::preset(preset);
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const bool weight = names[i].ends_with(".weight_quantizer");
+    const auto resolved =
+        config.resolve(names[i], parents[i], weight ? QuantizerRole::weight : QuantizerRole::input);
+    EXPECT_EQ(resolved.enabled, enabled[static_cast<int64_t>(i)].item<int64_t>() == 1)
+        << names[i] << " (" << parents[i] << ")";
+  }
+}
+
+// quantize() on the fixture checkpoint with the fixture's calibration batches: every amax as
+// modelopt's, bit for bit, and the quantized loss within 1e-6; removing the quantizers gives
+// the unquantized model back.
+TEST_P(Ptq, AmaxAndLossEqualModelopt) {
+  const auto& [arch, preset] = GetParam();
+  const PtqFixture fixture(arch);
+  mdist::hf::CausalLM model = mdist::hf::load_pretrained(mdist::quant::testing::fixture_dir(arch));
+  model->eval();
+  const at::Tensor ids = fixture.eval_ids();
+  const double plain = model->loss(model->forward(ids), ids).item<double>();
+  EXPECT_LT(relative(plain, fixture.tensor("loss").item<double>()), 1e-6);
+
+  std::vector<int64_t> all(static_cast<std::size_t>(fixture.batches()));
+  std::iota(all.begin(), all.end(), 0);
+  auto quantizers =
+      mdist::quant::quantize(model, QuantConfig::preset(preset), forward_batches(fixture, all));
+  const auto expected = fixture.amax(preset);
+  const auto actual = quantizers->amax_state_dict();
+  ASSERT_EQ(actual.size(), expected.size());
+  for (const auto& [name, amax] : expected) {
+    ASSERT_TRUE(actual.contains(name)) << name;
+    EXPECT_TRUE(same_values(actual.at(name), amax)) << name;
+  }
+  const double quantized = model->loss(model->forward(ids), ids).item<double>();
+  const double modelopt = fixture.tensor(preset + ".loss").item<double>();
+  EXPECT_LT(relative(quantized, modelopt), 1e-6) << quantized << " vs modelopt " << modelopt;
+  std::cout << arch << " " << preset << ": loss " << quantized << ", modelopt " << modelopt
+            << ", relative difference " << relative(quantized, modelopt) << std::endl;
+  EXPECT_GT(relative(quantized, plain), 1e-4);  // the fake quant really ran
+
+  quantizers.reset();
+  EXPECT_EQ(model->loss(model->forward(ids), ids).item<double>(), plain);
+}
+
+// modelopt's export_hf_checkpoint of the same quantized model: every tensor byte for byte,
+// hf_quant_config.json and config.json's quantization_config equal but for the producer's
+// version.
+TEST_P(Ptq, ExportEqualsModeloptsByteForByte) {
+  const auto& [arch, preset] = GetParam();
+  const PtqFixture fixture(arch);
+  const auto dir = mdist::quant::testing::fixture_dir(arch);
+  mdist::hf::CausalLM model = mdist::hf::load_pretrained(dir);
+  std::vector<int64_t> all(static_cast<std::size_t>(fixture.batches()));
+  std::iota(all.begin(), all.end(), 0);
+  const auto quantizers =
+      mdist::quant::quantize(model, QuantConfig::preset(preset), forward_batches(fixture, all));
+  const auto out = std::filesystem::path(::testing::TempDir()) / ("ptq_export_" + arch + preset);
+  std::filesystem::remove_all(out);
+  mdist::quant::export_hf_checkpoint(model, *quantizers, out);
+
+  mdist::quant::testing::expect_export_equals_modelopt(out, arch, preset);
+}
+
+// A bf16 model: modelopt divides FP8 weights in bf16 (a 0-d fp32 scale does not promote) and
+// INT8 weights in fp32 (an [out, 1] scale does); weights and weight scales byte for byte. The
+// input scales come from bf16 activations, whose amax is compared to one bf16 step.
+class PtqBf16 : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PtqBf16, ExportEqualsModeloptsByteForByte) {
+  const std::string preset = GetParam();
+  const PtqFixture fixture("qwen3_bf16");
+  mdist::hf::CausalLM model =
+      mdist::hf::load_pretrained(mdist::quant::testing::fixture_dir("qwen3_bf16"));
+  model->to(at::kBFloat16);
+  std::vector<int64_t> all(static_cast<std::size_t>(fixture.batches()));
+  std::iota(all.begin(), all.end(), 0);
+  const auto quantizers =
+      mdist::quant::quantize(model, QuantConfig::preset(preset), forward_batches(fixture, all));
+  const auto out = std::filesystem::path(::testing::TempDir()) / ("ptq_export_bf16_" + preset);
+  std::filesystem::remove_all(out);
+  mdist::quant::export_hf_checkpoint(model, *quantizers, out);
+  mdist::quant::testing::expect_export_equals_modelopt(out, "qwen3_bf16", preset, 1.0 / 128);
+  int64_t equal = 0, total = 0;
+  for (const auto& [name, amax] : fixture.amax(preset)) {
+    if (name.find(".input_quantizer.") == std::string::npos) continue;
+    ++total;
+    equal += at::equal(quantizers->amax_state_dict().at(name).to(at::kFloat), amax) ? 1 : 0;
+  }
+  std::cout << "qwen3 bf16 " << preset << ": " << equal << " of " << total
+            << " input amaxes equal to modelopt's" << std::endl;
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, PtqBf16, ::testing::Values("fp8", "int8"));
+
+// What the export does not cover yet is refused before anything is written.
+TEST(PtqExport, RefusesWhatItCannotWriteYet) {
+  const PtqFixture fixture("qwen3");
+  const auto dir = mdist::quant::testing::fixture_dir("qwen3");
+  const auto out = std::filesystem::path(::testing::TempDir()) / "ptq_export_refused";
+  std::filesystem::remove_all(out);
+  mdist::hf::CausalLM half = mdist::hf::load_pretrained(dir);
+  half->to(at::kHalf);
+  const auto quantized =
+      mdist::quant::quantize(half, QuantConfig::preset("fp8"), forward_batches(fixture, {0}));
+  try {
+    mdist::quant::export_hf_checkpoint(half, *quantized, out);
+    FAIL() << "no exception";
+  } catch (const mdist::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("only fp32 and bf16 models"));
+  }
+  mdist::hf::CausalLM model = mdist::hf::load_pretrained(dir);
+  QuantConfig weight_only = QuantConfig::preset("int8");
+  weight_only.rules.push_back({"*input_quantizer", std::nullopt, false, std::nullopt});
+  const auto w8 = mdist::quant::quantize(model, weight_only, forward_batches(fixture, {0}));
+  try {
+    mdist::quant::export_hf_checkpoint(model, *w8, out);
+    FAIL() << "no exception";
+  } catch (const mdist::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("input disabled"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(out));
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, Ptq,
+                         ::testing::Combine(::testing::Values("llama", "qwen3"),
+                                            ::testing::Values("fp8", "int8")),
+                         [](const auto& test_info) {
+                           return std::get<0>(test_info.param) + "_" + std::get<1>(test_info.param);
+                         });
+
+// The quantized forward is differentiable (the STE): the weights get gradients, and the
+// parameters are untouched by the weight swap.
+TEST(Ptq, BackwardThroughFakeQuantReachesTheWeights) {
+  const PtqFixture fixture("qwen3");
+  mdist::hf::CausalLM model =
+      mdist::hf::load_pretrained(mdist::quant::testing::fixture_dir("qwen3"));
+  const at::Tensor before = model->model->decoder_layers[0]->mlp->up_proj->weight.clone();
+  auto quantizers =
+      mdist::quant::quantize(model, QuantConfig::preset("fp8"), forward_batches(fixture, {0}));
+  const at::Tensor ids = fixture.eval_ids();
+  model->loss(model->forward(ids), ids).backward();
+  const auto& up = model->model->decoder_layers[0]->mlp->up_proj;
+  ASSERT_TRUE(up->weight.grad().defined());
+  EXPECT_GT(up->weight.grad().abs().sum().item<double>(), 0.0);
+  EXPECT_TRUE(at::equal(up->weight, before));
+  EXPECT_TRUE(up->named_parameters()["weight"].is_same(up->weight));
+}
+
+TEST(Ptq, TiedHeadQuantizersAreRefused) {
+  mdist::hf::CausalLM model =
+      mdist::hf::load_pretrained(mdist::quant::testing::fixture_dir("llama"));
+  ASSERT_FALSE(model->lm_head);
+  QuantConfig config = QuantConfig::preset("int8");
+  config.rules.push_back({"*lm_head*", std::nullopt, true, std::nullopt});
+  try {
+    (void)mdist::quant::quantize(model, config, {});
+    FAIL() << "no exception";
+  } catch (const mdist::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("lm_head.input_quantizer"));
+    EXPECT_THAT(e.what(), HasSubstr("tied"));
+  }
+}
+
+TEST(Ptq, OtherAlgorithmsAreRefused) {
+  mdist::hf::CausalLM model =
+      mdist::hf::load_pretrained(mdist::quant::testing::fixture_dir("qwen3"));
+  QuantConfig config = QuantConfig::preset("int8");
+  config.algorithm = "smoothquant";
+  EXPECT_THROW((void)mdist::quant::quantize(model, config, {}), mdist::InputError);
+}
+
+}  // namespace
