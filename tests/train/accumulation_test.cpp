@@ -189,7 +189,7 @@ TEST_P(MicroBatches, EqualOneBatchOfTheirUnion) {
   if (!c.layout.fits()) GTEST_SKIP() << "needs a multiple of " << c.layout.tp * c.layout.ep;
   const LlamaConfig config = fixture(c.arch);
   // The load-balancing loss is measured but not trained on: it is a per-forward statistic,
-  // not additive over micro-batches (see AuxLoss below).
+  // not additive over micro-batches (LoadBalancingLossIsTheMeanOverMicroBatches).
   const auto make = [&](std::optional<std::int64_t> micro) {
     return trainer(seeded_job(config, c.layout), data(config), options(c.layout, micro),
                    causal_lm_loss(config));
@@ -207,7 +207,7 @@ TEST_P(MicroBatches, EqualOneBatchOfTheirUnion) {
     EXPECT_LE(gradients, kGradientTolerance) << what;
     auto later = run(*split, kSteps - 1);
     got.insert(got.end(), later.begin(), later.end());
-    // The K = 1 run continued to the same step (once; `whole` stays at step 1 for the next
+    // A K = 1 run to the same step (a fresh one: `whole` stays at step 1 for the next
     // micro-batch size's gradients).
     auto reference = make({});
     const auto want_all = run(*reference, kSteps);
