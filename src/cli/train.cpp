@@ -41,6 +41,7 @@ nlohmann::json run_flags(const TrainOptions& o, const TokenStream& data, const M
           {"grad_clip", o.grad_clip},
           {"steps", o.steps},
           {"tensor_parallel", o.io.tensor_parallel},  // informative: a resume may change them
+          {"micro_batch", o.micro_batch ? nlohmann::json(*o.micro_batch) : nlohmann::json("all")},
           {"expert_parallel", o.io.expert_parallel},
           {"param_dtype", o.io.param_dtype.empty() ? "weights" : o.io.param_dtype},
           {"router_aux_loss_coef", o.router_aux_loss_coef ? nlohmann::json(*o.router_aux_loss_coef)
@@ -199,12 +200,21 @@ train::TrainerOptions trainer_options(const TrainOptions& o, std::set<int> fault
   train::TrainerOptions t;
   t.steps = o.steps;
   t.global_batch = o.global_batch;
+  t.micro_batch = o.micro_batch;
   t.schedule = {o.lr, o.warmup, o.steps, o.min_lr_ratio};
   t.weight_decay = o.weight_decay;
   t.grad_clip = o.grad_clip;
   t.skip_nonfinite = o.skip_nonfinite;
   t.nonfinite_steps = std::move(fault_steps);
   return t;
+}
+
+// "1 forward per step", or "4 micro-batches of 2 sequences per step, gradients accumulated".
+std::string describe_micro_batches(const train::Trainer& trainer) {
+  const std::int64_t count = trainer.micro_batches();
+  if (count == 1) return "1 forward per step";
+  return std::to_string(count) + " micro-batches of " + std::to_string(trainer.micro_batch()) +
+         " sequence" + (trainer.micro_batch() == 1 ? "" : "s") + " per step, gradients accumulated";
 }
 
 // The log's opening lines: layout and model, tokenizer, precision, objective, data, held-out.
@@ -221,8 +231,8 @@ void log_start(const TrainOptions& o, const TrainInputs& in, const JobLayout& la
   say("mdist train: data " + in.data.description + ", " + std::to_string(windows.count()) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens; global batch " +
       std::to_string(o.global_batch) + " (" + std::to_string(trainer.local_batch()) +
-      " per data-parallel rank), steps " + std::to_string(trainer.state().step + 1) + ".." +
-      std::to_string(o.steps) +
+      " per data-parallel rank, " + describe_micro_batches(trainer) + "), steps " +
+      std::to_string(trainer.state().step + 1) + ".." + std::to_string(o.steps) +
       (in.resumed ? " (resumed from " + in.resume_from->string() +
                         (o.io.model_dir ? "; --model is only where a fresh run starts" : "") + ")"
        : o.resume == ResumeMode::automatic ? " (--resume auto: no checkpoint yet, starting)"

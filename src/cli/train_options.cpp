@@ -16,6 +16,11 @@ void declare_train_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--global-batch", o.global_batch,
                  "Sequences per step over all data-parallel ranks (must divide evenly)")
       ->capture_default_str();
+  app.add_option("--micro-batch", o.micro_batch,
+                 "Sequences per data-parallel rank per forward: the rank's global-batch / dp "
+                 "sequences run as global-batch / (dp x B) micro-batches whose gradients are "
+                 "accumulated into one step (default: all of them in one forward)")
+      ->type_name("B");
   app.add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str();
   app.add_option("--min-lr-ratio", o.min_lr_ratio, "Cosine decay ends at this fraction of --lr")
       ->capture_default_str();
@@ -82,6 +87,16 @@ void check_train_flags(const TrainOptions& o, int world) {
   if (o.global_batch % dp != 0) {
     throw InputError("--global-batch " + std::to_string(o.global_batch) +
                      " is not divisible by the data-parallel size " + std::to_string(dp));
+  }
+  if (o.micro_batch) {
+    check_at_least(*o.micro_batch, 1, "--micro-batch");
+    if (o.global_batch % (dp * *o.micro_batch) != 0) {
+      throw InputError("--micro-batch " + std::to_string(*o.micro_batch) +
+                       " does not divide the per-rank batch: --global-batch " +
+                       std::to_string(o.global_batch) + " over " + std::to_string(dp) +
+                       " data-parallel rank(s) is " + std::to_string(o.global_batch / dp) +
+                       " sequences per rank");
+    }
   }
   check_positive(o.lr, "--lr");
   if (!(o.min_lr_ratio >= 0 && o.min_lr_ratio <= 1)) {

@@ -20,6 +20,9 @@ struct TrainOptions {
   std::filesystem::path out = "runs/default";
   int steps = 300;
   std::int64_t global_batch = 16;
+  // --micro-batch: sequences per data-parallel rank per forward (gradient accumulation);
+  // nullopt: the rank's whole share of the global batch in one forward.
+  std::optional<std::int64_t> micro_batch;
   double lr = 3e-3;
   double min_lr_ratio = 0.1;
   int warmup = 30;

@@ -25,6 +25,45 @@ std::string number(double value) {
   return text;
 }
 
+// Every FSDP unit of `model` (the root, its layers, its experts' units).
+std::vector<FsdpHandle> fsdp_units_of(hf::CausalLM& model) {
+  std::vector<FsdpHandle> units;
+  for (const auto& module : model->modules(/*include_self=*/true)) {
+    if (auto handle = fsdp_handle(*module)) units.push_back(*handle);
+  }
+  return units;
+}
+
+// FSDP's gradient sync on every unit of a step's micro-batches: off from construction when
+// `pause` (the micro-batches before the last: their gradients accumulate unreduced on the full
+// parameters), on again at resume() or at the end of its scope, also when a forward or
+// backward throws, so that the next step reduces as usual.
+class GradientSyncPause {
+ public:
+  GradientSyncPause(std::vector<FsdpHandle>& units, bool pause) : units_(units), paused_(pause) {
+    if (paused_) set(false);
+  }
+  ~GradientSyncPause() { resume(); }
+  GradientSyncPause(const GradientSyncPause&) = delete;
+  GradientSyncPause& operator=(const GradientSyncPause&) = delete;
+  void resume() {
+    if (!paused_) return;
+    set(true);
+    paused_ = false;
+  }
+
+ private:
+  void set(bool sync) {
+    for (auto& unit : units_) unit.set_requires_gradient_sync(sync);
+  }
+  std::vector<FsdpHandle>& units_;
+  bool paused_;
+};
+
+at::Tensor plus(const at::Tensor& total, const at::Tensor& value) {
+  return total.defined() ? total + value : value;
+}
+
 }  // namespace
 
 NonFiniteStep::NonFiniteStep(int step, double loss, double grad_norm)
@@ -46,10 +85,18 @@ Trainer::Trainer(hf::ParallelModel model, ParallelState parallel, SequenceSource
       loss_(std::move(loss)),
       dp_size_(mdist::size(parallel_.data_parallel_group.group())),
       dp_rank_(mdist::rank(parallel_.data_parallel_group.group())),
-      local_batch_(options_.global_batch / dp_size_) {
+      local_batch_(options_.global_batch / dp_size_),
+      micro_batch_(options_.micro_batch.value_or(local_batch_)),
+      fsdp_units_(fsdp_units_of(model_)) {
   if (options_.global_batch % dp_size_ != 0) {
     throw InputError("global batch " + std::to_string(options_.global_batch) +
                      " is not divisible by the data-parallel size " + std::to_string(dp_size_));
+  }
+  if (micro_batch_ < 1 || local_batch_ % micro_batch_ != 0) {
+    throw InputError("micro-batch " + std::to_string(micro_batch_) +
+                     " does not divide the per-rank batch " + std::to_string(local_batch_) +
+                     " (global batch " + std::to_string(options_.global_batch) + " over " +
+                     std::to_string(dp_size_) + " data-parallel ranks)");
   }
   model_->train();
   optimizer_ = make_adamw(model_, options_.schedule.peak, options_.weight_decay);
@@ -75,16 +122,41 @@ at::Tensor Trainer::next_batch() const {
   return data_.rows(which).to(compute_device());
 }
 
-LossParts Trainer::run_batch(const at::Tensor& ids, int step) {
-  const at::Tensor logits = model_->forward(ids);
-  LossParts parts = (*loss_)(model_, parallelism_, logits, ids);
-  if (options_.nonfinite_steps.contains(step)) {
-    const double nan = std::numeric_limits<double>::quiet_NaN();
-    parts.loss = parts.loss * nan;
-    parts.objective = parts.objective * nan;
+Trainer::BatchTotals Trainer::run_batch(const at::Tensor& ids, int step) {
+  const std::vector<at::Tensor> micro = ids.split(micro_batch_);
+  // The step's predicted tokens over every micro-batch and data-parallel rank, known before
+  // the first backward: each micro-batch's objective is its loss sum over them (x dp, which
+  // FSDP's averaging over the ranks takes back), so the accumulated gradient is the step's
+  // per-token mean however the tokens fall into micro-batches and ranks.
+  std::int64_t local_tokens = 0;
+  for (const at::Tensor& batch : micro) local_tokens += loss_->predicted_tokens(batch);
+  const std::int64_t global_tokens =
+      allreduce(local_tokens, "sum", parallel_.data_parallel_group.group());
+  const LossNormalisation normalisation{.tokens = static_cast<double>(global_tokens) / dp_size_,
+                                        .micro_batches = static_cast<int>(micro.size())};
+  BatchTotals totals;
+  GradientSyncPause sync(fsdp_units_, /*pause=*/micro.size() > 1);
+  for (std::size_t k = 0; k < micro.size(); ++k) {
+    // The last backward reduce-scatters the gradients accumulated over every micro-batch.
+    if (k + 1 == micro.size()) sync.resume();
+    const at::Tensor logits = model_->forward(micro[k]);
+    LossParts parts = (*loss_)(model_, parallelism_, logits, micro[k], normalisation);
+    if (options_.nonfinite_steps.contains(step)) {
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      parts.loss = parts.loss * nan;
+      parts.objective = parts.objective * nan;
+    }
+    parts.objective.backward();
+    // loss x tokens in fp64 is exact (a float's 24 bits times fewer than 2^29 tokens), so the
+    // step's mean without accumulation is bit for bit the forward's.
+    totals.loss_sum = plus(totals.loss_sum,
+                           parts.loss.detach().to(at::kDouble) * static_cast<double>(parts.tokens));
+    totals.tokens += parts.tokens;
+    if (parts.aux_loss.defined()) {
+      totals.aux_loss_sum = plus(totals.aux_loss_sum, parts.aux_loss.detach().to(at::kDouble));
+    }
   }
-  parts.objective.backward();
-  return parts;
+  return totals;
 }
 
 StepStats Trainer::step() {
@@ -96,24 +168,28 @@ StepStats Trainer::step() {
   set_lr(*optimizer_, stats.lr);
   optimizer_->zero_grad();
   const std::int64_t sent_before = parallelism_.communication().all_to_all_bytes;
-  const LossParts parts = run_batch(ids, stats.step);
+  const BatchTotals totals = run_batch(ids, stats.step);
   const double max_norm =
       options_.grad_clip > 0 ? options_.grad_clip : std::numeric_limits<double>::infinity();
   stats.grad_norm = hf::clip_grad_norm_(model_, parallelism_, max_norm);
 
-  // One small all-gather per step, before the update: each rank's (loss, peak RSS, aux loss,
-  // bytes sent by all-to-all). Every rank's batch has the same number of tokens, so the mean
-  // of the ranks' means is the global batch's mean loss (the tensor-parallel ranks of a
-  // data-parallel rank repeat its loss, each as many times). The loss and the global gradient
-  // norm are the same on every rank, so every rank takes the same decision on a non-finite
-  // step.
+  // One small all-gather per step, before the update: each rank's (loss sum, predicted
+  // tokens, peak RSS, mean load-balancing loss over its micro-batches, bytes sent by
+  // all-to-all). The loss is the step's per-token mean: the ranks' sums over all their tokens
+  // (the tensor-parallel ranks of a data-parallel rank repeat its sum and its count alike).
+  // Without accumulation each term is exactly the rank's mean / world, as the mean of the
+  // ranks' means was. The loss and the global gradient norm are the same on every rank, so
+  // every rank takes the same decision on a non-finite step.
   const bool moe = loss_->reports_aux_loss();
   const auto reports = allgather(std::tuple{
-      parts.loss.item<double>(), peak_rss_mib(), moe ? parts.aux_loss.item<double>() : 0.0,
+      totals.loss_sum.item<double>(), totals.tokens, peak_rss_mib(),
+      moe ? totals.aux_loss_sum.item<double>() / static_cast<double>(micro_batches()) : 0.0,
       parallelism_.communication().all_to_all_bytes - sent_before});
   const int world = mdist::size();
-  for (const auto& [rank_loss, peak, rank_aux, rank_sent] : reports) {
-    stats.loss += rank_loss / world;
+  std::int64_t tokens = 0;
+  for (const auto& report : reports) tokens += std::get<1>(report);
+  for (const auto& [rank_loss_sum, rank_tokens, peak, rank_aux, rank_sent] : reports) {
+    stats.loss += rank_loss_sum / static_cast<double>(tokens);
     stats.aux_loss += rank_aux / world;
     stats.peak_rss_mib.push_back(peak);
     stats.all_to_all_bytes.push_back(rank_sent);
@@ -139,7 +215,8 @@ StepStats Trainer::step() {
 }
 
 HeldOutLoss Trainer::evaluate(const SequenceSource& held_out, std::int64_t max_sequences) {
-  return held_out_loss(model_, parallelism_, held_out, parallel_, local_batch_, max_sequences);
+  // A micro-batch per forward: evaluation fits where training does.
+  return held_out_loss(model_, parallelism_, held_out, parallel_, micro_batch_, max_sequences);
 }
 
 void Trainer::save(const std::filesystem::path& run_dir, int keep,

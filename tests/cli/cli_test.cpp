@@ -524,6 +524,21 @@ INSTANTIATE_TEST_SUITE_P(
                  2,
                  {"train", "--global-batch", "3", "--out", "OUT"},
                  "--global-batch 3 is not divisible by the data-parallel size 2"},
+        BadInput{"MicroBatchZero",
+                 1,
+                 {"train", "--micro-batch", "0", "--out", "OUT"},
+                 "--micro-batch must be at least 1, got 0"},
+        BadInput{"MicroBatchNotDividingThePerRankBatch",
+                 2,
+                 {"train", "--global-batch", "8", "--micro-batch", "3", "--out", "OUT"},
+                 "--micro-batch 3 does not divide the per-rank batch: --global-batch 8 over 2 "
+                 "data-parallel rank(s) is 4 sequences per rank"},
+        BadInput{
+            "MicroBatchNotDividingThePerRankBatchUnderTensorParallel",
+            4,
+            {"train", "--tp", "2", "--global-batch", "4", "--micro-batch", "4", "--out", "OUT"},
+            "--micro-batch 4 does not divide the per-rank batch: --global-batch 4 over 2 "
+            "data-parallel rank(s) is 2 sequences per rank"},
         BadInput{"TensorParallelSizeNotDividingTheWorld",
                  4,
                  {"train", "--tp", "3", "--out", "OUT"},
@@ -1219,6 +1234,72 @@ TEST_F(MdistChecks, Bf16MixedPrecisionComputesInBf16AndKeepsFp32Weights) {
     const double a = bf16[i]["loss"], b = resumed[i]["loss"];
     EXPECT_NEAR(b, a, 1e-6 * a) << "step " << i + 1;
   }
+}
+
+// --micro-batch: the rank's batch in micro-batches with their gradients accumulated gives the
+// losses of one forward (fp32 and bf16), says so in the log, and a run with micro-batches
+// resumes exactly (into the same or another micro-batch size); a bad size is one line, exit 2,
+// nothing written.
+TEST_F(MdistChecks, MicroBatchesTrainAsOneBatchAndResumeExactly) {
+  // --global-batch 8 on 2 ranks: 4 sequences per rank, as 4 micro-batches of 1 or 2 of 2.
+  const auto args = train_args({"--steps", "6", "--global-batch", "8", "--eval-every", "0"});
+  const auto run = [&](const std::string& name, std::vector<std::string> more) {
+    const auto out = dir_ / name;
+    const auto r = mdist(2, with(with(args, {"--out", out.string()}), more));
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return std::make_pair(r, metrics(out));
+  };
+  const auto [whole_run, whole] = run("whole", {"--save-every", "0"});
+  const auto [micro_run, micro] =
+      run("micro", {"--micro-batch", "1", "--save-every", "3", "--keep", "5"});
+  EXPECT_THAT(whole_run.out, HasSubstr("(4 per data-parallel rank, 1 forward per step)"));
+  EXPECT_THAT(micro_run.out, HasSubstr("(4 per data-parallel rank, 4 micro-batches of 1 "
+                                       "sequence per step, gradients accumulated)"));
+  ASSERT_EQ(whole.size(), 6u);
+  ASSERT_EQ(micro.size(), 6u);
+  double worst = 0;
+  for (std::size_t i = 0; i < 6; ++i) {
+    const double a = whole[i]["loss"], b = micro[i]["loss"];
+    EXPECT_NEAR(b, a, 1e-6 * a) << "step " << i + 1;
+    worst = std::max(worst, std::abs(b - a) / a);
+  }
+  std::cout << "fp32: 4 micro-batches against one forward: losses within " << worst << " (relative)"
+            << std::endl;
+  // Resumed from step 3 with the same micro-batches (bit for bit) and with others.
+  for (const std::string size : {"1", "2", "4"}) {
+    const auto cut = dir_ / ("cut-" + size);
+    fs::copy(dir_ / "micro", cut, fs::copy_options::recursive);
+    fs::remove_all(cut / "checkpoints" / "step-00000006");
+    std::ofstream(cut / "checkpoints" / "latest") << "step-00000003\n";
+    const auto r = mdist(2, with(args, {"--out", cut.string(), "--resume", "--save-every", "3",
+                                        "--micro-batch", size}));
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const auto resumed = metrics(cut);
+    ASSERT_EQ(resumed.size(), 6u);
+    for (std::size_t i = 3; i < 6; ++i) {
+      const double a = micro[i]["loss"], b = resumed[i]["loss"];
+      if (size == "1") {
+        EXPECT_EQ(b, a) << "step " << i + 1 << ", resumed with --micro-batch " << size;
+      } else {
+        EXPECT_NEAR(b, a, 1e-6 * a) << "step " << i + 1 << ", resumed with --micro-batch " << size;
+      }
+    }
+  }
+  // bf16: the micro-batches' bf16 gradients accumulate unreduced before the fp32
+  // reduce-scatter, so they agree with one bf16 forward as bf16 runs agree among themselves.
+  const auto [bf16_run, bf16] = run("bf16", {"--param-dtype", "bf16", "--save-every", "0"});
+  const auto [bf16_micro_run, bf16_micro] =
+      run("bf16-micro", {"--param-dtype", "bf16", "--micro-batch", "2", "--save-every", "0"});
+  ASSERT_EQ(bf16.size(), 6u);
+  ASSERT_EQ(bf16_micro.size(), 6u);
+  double worst_bf16 = 0;
+  for (std::size_t i = 0; i < 6; ++i) {
+    const double a = bf16[i]["loss"], b = bf16_micro[i]["loss"];
+    EXPECT_NEAR(b, a, 2e-3 * a) << "bf16, step " << i + 1;
+    worst_bf16 = std::max(worst_bf16, std::abs(b - a) / a);
+  }
+  std::cout << "bf16: 2 micro-batches against one forward: losses within " << worst_bf16
+            << " (relative)" << std::endl;
 }
 
 TEST_F(MdistChecks, UsageErrorsAreOneLineWithExitCodeTwo) {

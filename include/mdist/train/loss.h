@@ -4,6 +4,7 @@
 // load-balancing loss), a distillation loss (a teacher's logits) next.
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -12,22 +13,46 @@
 
 namespace mdist::train {
 
+// How one micro-batch's objective is weighed within its optimizer step (gradient accumulation,
+// normalised as torchtitan does): the objective of a micro-batch is the sum of its per-token
+// losses divided by `tokens`, so that micro-batches with few predicted tokens (masked,
+// ragged) weigh as little as they should and K micro-batches give the gradient of one batch
+// of their union.
+struct LossNormalisation {
+  // The step's predicted tokens over every data-parallel rank and micro-batch, divided by the
+  // data-parallel size: FSDP's reduce-scatter then averages the ranks' gradients (their sum /
+  // dp), which makes the step's gradient that of (the sum of every per-token loss of the
+  // step) / (the step's predicted tokens). Without accumulation and masks it is this rank's
+  // own token count, and the objective is the plain mean.
+  double tokens = 1;
+  // A mixture of experts' load-balancing loss is a statistic of one forward (transformers
+  // computes it per forward), not a sum over tokens: the objective takes each micro-batch's
+  // with weight 1 / micro_batches, i.e. the step trains on the mean over its micro-batches.
+  int micro_batches = 1;
+};
+
 // What one forward's objective is made of. `objective` is what backward runs on; the others
 // are reported (undefined when the loss has no such part).
 struct LossParts {
   at::Tensor objective;
-  at::Tensor loss;      // the cross entropy (the reported "loss")
-  at::Tensor aux_loss;  // a mixture of experts' load-balancing loss, before its weight
+  at::Tensor loss;          // mean cross entropy over the predicted tokens (the reported "loss")
+  std::int64_t tokens = 0;  // those predicted tokens: the weight of `loss` in the step's mean
+  at::Tensor aux_loss;      // a mixture of experts' load-balancing loss, before its weight
 };
 
 class LossFunction {
  public:
   virtual ~LossFunction() = default;
-  // `ids` [B, T]: the batch the model ran on (labels are the inputs shifted by one);
+  // The tokens of `ids` whose loss counts: the trainer sums them over the step's micro-batches
+  // and data-parallel ranks before the first forward (LossNormalisation::tokens). Every token
+  // but each sequence's first today; the unmasked labels with a loss mask.
+  virtual std::int64_t predicted_tokens(const at::Tensor& ids) const = 0;
+  // `ids` [B, T]: the micro-batch the model ran on (labels are the inputs shifted by one);
   // `logits`: its forward's output (this rank's vocabulary columns under tensor parallelism,
-  // as `parallelism` says).
+  // as `parallelism` says); `normalisation`: how the objective is weighed in the step.
   virtual LossParts operator()(hf::CausalLM& model, const hf::Parallelism& parallelism,
-                               const at::Tensor& logits, const at::Tensor& ids) = 0;
+                               const at::Tensor& logits, const at::Tensor& ids,
+                               const LossNormalisation& normalisation) = 0;
   // Whether parts.aux_loss is set (a mixture of experts).
   virtual bool reports_aux_loss() const = 0;
   // The weight of aux_loss in the objective (0: measured, not trained on).
@@ -43,13 +68,16 @@ std::string describe_aux_loss_weight(const hf::LlamaConfig& config,
                                      const std::optional<double>& requested);
 
 // HF's causal-LM loss (vocab-parallel under tensor parallelism: no rank builds the full
-// logits), plus aux_weight x the load-balancing loss of the forward's routers (every token of a
-// sequence is real: no mask).
+// logits) as a sum over the tokens / normalisation.tokens, plus aux_weight / micro_batches x
+// the load-balancing loss of the forward's routers (every token of a sequence is real: no
+// mask, so every micro-batch predicts B x (T - 1) > 0 tokens).
 class CausalLmLoss final : public LossFunction {
  public:
   CausalLmLoss(const hf::LlamaConfig& config, double aux_weight);
+  std::int64_t predicted_tokens(const at::Tensor& ids) const override;
   LossParts operator()(hf::CausalLM& model, const hf::Parallelism& parallelism,
-                       const at::Tensor& logits, const at::Tensor& ids) override;
+                       const at::Tensor& logits, const at::Tensor& ids,
+                       const LossNormalisation& normalisation) override;
   bool reports_aux_loss() const override { return moe_; }
   double aux_loss_weight() const override { return aux_weight_; }
 

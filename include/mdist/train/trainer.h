@@ -6,9 +6,11 @@
 //
 // Where the features that build on it go:
 //   - the objective is a LossFunction (loss.h): CausalLmLoss today, a distillation loss next;
-//   - micro-batches: step() takes the rank's whole batch and runs forward and backward over
-//     it before the one optimizer step; a split into micro-batches (gradient accumulation)
-//     belongs in that loop (Trainer::run_batch);
+//   - micro-batches (gradient accumulation): step() splits the rank's batch into micro-batches
+//     of TrainerOptions::micro_batch sequences, runs forward and backward on each with the
+//     gradient sync of FSDP only on the last, then takes the one optimizer step
+//     (Trainer::run_batch); the objective is normalised by the step's global token count
+//     (LossNormalisation);
 //   - quantization-aware training: quantizers are inserted into the model (its hooks) before
 //     the trainer is built; their state joins save()/resume() next to the optimizer's.
 #include <ATen/ATen.h>
@@ -16,6 +18,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -23,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "mdist/error.h"
+#include "mdist/fsdp/fully_shard.h"
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/parallelize.h"
@@ -41,7 +45,11 @@ namespace mdist::train {
 struct TrainerOptions {
   int steps = 300;                 // the run's last step (a resumed run continues to it)
   std::int64_t global_batch = 16;  // sequences per step over all data-parallel ranks
-  LrSchedule schedule;             // its total_steps is `steps`
+  // Sequences per data-parallel rank per forward: the rank's global_batch / dp sequences run as
+  // global_batch / (dp x micro_batch) micro-batches, their gradients accumulated into one
+  // optimizer step. nullopt: one forward over the rank's whole batch (no accumulation).
+  std::optional<std::int64_t> micro_batch;
+  LrSchedule schedule;  // its total_steps is `steps`
   double weight_decay = 0.1;
   double grad_clip = 1.0;  // max global gradient norm; 0: no clipping (the norm is measured)
   // A step whose loss or gradient norm is not finite: skipped (the batch consumed, nothing
@@ -96,8 +104,8 @@ class Trainer {
   bool done() const { return state_.step >= options_.steps; }
   // One optimizer step on the next global batch (this rank's slice of it). Collective.
   StepStats step();
-  // Held-out loss on the first `max_sequences` of `held_out` (0: all), the trainer's local
-  // batch per forward. Collective.
+  // Held-out loss on the first `max_sequences` of `held_out` (0: all), the trainer's
+  // micro-batch per forward (its memory is what training needs). Collective.
   HeldOutLoss evaluate(const SequenceSource& held_out, std::int64_t max_sequences);
   // A checkpoint of the current step into run_dir/checkpoints (save_training_checkpoint).
   void save(const std::filesystem::path& run_dir, int keep,
@@ -109,10 +117,20 @@ class Trainer {
   hf::CausalLM& model() { return model_; }
   const hf::Parallelism& parallelism() const { return parallelism_; }
   std::int64_t local_batch() const { return local_batch_; }
+  std::int64_t micro_batch() const { return micro_batch_; }
+  // Forwards (and backwards) per step on each rank: local_batch() / micro_batch().
+  std::int64_t micro_batches() const { return local_batch_ / micro_batch_; }
 
  private:
-  // Forward and backward over this rank's batch; the objective's parts (detached).
-  LossParts run_batch(const at::Tensor& ids, int step);
+  // What this rank's forwards of a step add up to (detached, reduced by step()).
+  struct BatchTotals {
+    at::Tensor loss_sum;  // sum over micro-batches of mean loss x predicted tokens (fp64)
+    std::int64_t tokens = 0;
+    at::Tensor aux_loss_sum;  // sum over micro-batches of the load-balancing loss (fp64)
+  };
+  // Forward and backward over this rank's batch, micro-batch by micro-batch, FSDP's gradient
+  // sync only on the last. Collective.
+  BatchTotals run_batch(const at::Tensor& ids, int step);
   at::Tensor next_batch() const;
 
   hf::CausalLM model_;
@@ -124,7 +142,10 @@ class Trainer {
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   TrainerState state_;
   int dp_size_, dp_rank_;
-  std::int64_t local_batch_;
+  std::int64_t local_batch_, micro_batch_;
+  // Every FSDP unit of the model (its gradient sync is paused for all but the last
+  // micro-batch).
+  std::vector<FsdpHandle> fsdp_units_;
 };
 
 }  // namespace mdist::train
