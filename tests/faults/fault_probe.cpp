@@ -1,11 +1,13 @@
 // A program that misbehaves on purpose, driven by fault_test: each mode is one fault a user
 // can meet (bad environment, missing peer, crashed peer, timeout, destroyed group, abort).
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <iostream>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -37,9 +39,24 @@ int probe(int argc, char** argv) {
     store_options.isServer = true;
     store_options.waitWorkers = false;
     store_options.timeout = timeout;
-    const c10d::TCPStore store("127.0.0.1", store_options);
+    c10d::TCPStore store("127.0.0.1", store_options);
     std::cout << "serving" << std::endl;
-    std::this_thread::sleep_for(timeout);
+    // Until the test says it is done (mode stop-store), at most the timeout: a fixed sleep made
+    // the test wait its whole length.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!store.check({"test/stop"}) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(50ms);
+    }
+    return 0;
+  }
+  if (mode == "stop-store") {
+    // The agent's store ends: a client sets the key serve-store polls.
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<std::uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
+    store_options.isServer = false;
+    store_options.timeout = timeout;
+    c10d::TCPStore store("127.0.0.1", store_options);
+    store.set("test/stop", std::vector<std::uint8_t>{1});
     return 0;
   }
   if (mode == "setup-twice" || mode == "setup-many") {

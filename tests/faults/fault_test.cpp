@@ -211,6 +211,9 @@ TEST(Rendezvous, TorchrunsAgentStoreIsJoinedNotServed) {
       }
     }
   }
+  EXPECT_EQ(run({kProbe, "stop-store"}, torchrun_env(1, 2, port)).exit_code, 0);
+  const auto served = agent.get();
+  EXPECT_EQ(served.exit_code, 0) << served.err;
 }
 
 // The real torchrun (`torchrun --no-python`), when one is installed (MDIST_TORCHRUN, torchrun on
