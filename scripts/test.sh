@@ -3,7 +3,7 @@
 # and multi-rank tests through mdistrun), the suite again under ASan+UBSan and the launcher and
 # FSDP prefetch tests under TSan (scripts/sanitize.sh), and the fuzzers for a fixed budget.
 #   MDIST_SANITIZE=0 scripts/test.sh           # skip the sanitizer stages
-#   MDIST_FUZZ_SECONDS=0 scripts/test.sh       # skip the fuzzers (default: 30 s each; longer
+#   MDIST_FUZZ_SECONDS=0 scripts/test.sh       # skip the fuzzers (default: 20 s each; longer
 #                                              # runs: scripts/fuzz_long.sh)
 #   MDIST_CHECK_CUDA_BUILD=0 scripts/test.sh   # skip the CUDA compile-and-link check
 set -euo pipefail
@@ -27,7 +27,7 @@ fi
 if [[ "${MDIST_CHECK_CUDA_BUILD:-1}" == 1 ]]; then
   stage cuda-build scripts/build_cuda.sh
 fi
-if [[ "${MDIST_FUZZ_SECONDS:-30}" != 0 ]]; then
-  export MDIST_FUZZ_SECONDS="${MDIST_FUZZ_SECONDS:-30}"
+if [[ "${MDIST_FUZZ_SECONDS:-20}" != 0 ]]; then
+  export MDIST_FUZZ_SECONDS="${MDIST_FUZZ_SECONDS:-20}"
   stage fuzz scripts/run_fuzz.sh
 fi

@@ -1255,16 +1255,21 @@ TEST_F(MdistChecks, MicroBatchesTrainAsOneBatchAndResumeExactly) {
   EXPECT_THAT(whole_run.out, HasSubstr("(4 per data-parallel rank, 1 forward per step)"));
   EXPECT_THAT(micro_run.out, HasSubstr("(4 per data-parallel rank, 4 micro-batches of 1 "
                                        "sequence per step, gradients accumulated)"));
-  ASSERT_EQ(whole.size(), 6u);
-  ASSERT_EQ(micro.size(), 6u);
-  double worst = 0;
-  for (std::size_t i = 0; i < 6; ++i) {
-    const double a = whole[i]["loss"], b = micro[i]["loss"];
-    EXPECT_NEAR(b, a, 1e-6 * a) << "step " << i + 1;
-    worst = std::max(worst, std::abs(b - a) / a);
-  }
-  std::cout << "fp32: 4 micro-batches against one forward: losses within " << worst << " (relative)"
-            << std::endl;
+  // Each step's loss of `micro` within `bound` (relative) of `whole`'s; prints the largest gap.
+  const auto expect_same_losses = [](const auto& whole_losses, const auto& micro_losses,
+                                     double bound, const std::string& what) {
+    ASSERT_EQ(whole_losses.size(), 6u) << what;
+    ASSERT_EQ(micro_losses.size(), 6u) << what;
+    double worst = 0;
+    for (std::size_t i = 0; i < 6; ++i) {
+      const double a = whole_losses[i]["loss"], b = micro_losses[i]["loss"];
+      EXPECT_NEAR(b, a, bound * a) << what << ", step " << i + 1;
+      worst = std::max(worst, std::abs(b - a) / a);
+    }
+    std::cout << what << " against one forward: losses within " << worst << " (relative)"
+              << std::endl;
+  };
+  expect_same_losses(whole, micro, 1e-6, "fp32: 4 micro-batches");
   // Resumed from step 3 with the same micro-batches (bit for bit) and with others.
   for (const std::string size : {"1", "2", "4"}) {
     const auto cut = dir_ / ("cut-" + size);
@@ -1290,16 +1295,7 @@ TEST_F(MdistChecks, MicroBatchesTrainAsOneBatchAndResumeExactly) {
   const auto [bf16_run, bf16] = run("bf16", {"--param-dtype", "bf16", "--save-every", "0"});
   const auto [bf16_micro_run, bf16_micro] =
       run("bf16-micro", {"--param-dtype", "bf16", "--micro-batch", "2", "--save-every", "0"});
-  ASSERT_EQ(bf16.size(), 6u);
-  ASSERT_EQ(bf16_micro.size(), 6u);
-  double worst_bf16 = 0;
-  for (std::size_t i = 0; i < 6; ++i) {
-    const double a = bf16[i]["loss"], b = bf16_micro[i]["loss"];
-    EXPECT_NEAR(b, a, 2e-3 * a) << "bf16, step " << i + 1;
-    worst_bf16 = std::max(worst_bf16, std::abs(b - a) / a);
-  }
-  std::cout << "bf16: 2 micro-batches against one forward: losses within " << worst_bf16
-            << " (relative)" << std::endl;
+  expect_same_losses(bf16, bf16_micro, 2e-3, "bf16: 2 micro-batches");
 }
 
 TEST_F(MdistChecks, UsageErrorsAreOneLineWithExitCodeTwo) {
