@@ -65,11 +65,11 @@ train::SequenceSource sequence_source(const Windows& windows, std::string descri
   source.length = windows.seq_len();
   source.description = std::move(description);
   source.rows = [&windows, order](const std::vector<std::int64_t>& which) {
-    if (!order) return batch_of(windows, which);
+    if (!order) return train::Batch{.ids = batch_of(windows, which)};
     std::vector<std::int64_t> ordered;
     ordered.reserve(which.size());
     for (const std::int64_t position : which) ordered.push_back(order->window_of(position));
-    return batch_of(windows, ordered);
+    return train::Batch{.ids = batch_of(windows, ordered)};
   };
   return source;
 }

@@ -35,24 +35,25 @@ HeldOutLoss held_out_loss(hf::CausalLM& model, const hf::Parallelism& parallelis
             ? std::vector<int64_t>(plan.windows.begin() + static_cast<std::ptrdiff_t>(first),
                                    plan.windows.begin() + static_cast<std::ptrdiff_t>(first) + real)
             : std::vector<int64_t>{0};
-    const at::Tensor ids = data.rows(which).to(compute_device());
-    const at::Tensor logits = model->forward(ids);
+    const Batch batch = data.rows(which).to(compute_device());
+    const at::Tensor logits = model->forward(batch.ids, batch.attention_mask);
     if (real == 0) continue;
     // Per-token losses summed in double: the total must not depend on how the sequences were
-    // grouped into batches and ranks.
+    // grouped into batches and ranks. Labels of -100 (a prompt, padding) add 0 and no token.
     const auto V = logits.size(-1);
     const at::Tensor shifted = logits.narrow(1, 0, T - 1).reshape({-1, V}).to(torch::kFloat);
-    const at::Tensor labels = ids.narrow(1, 1, T - 1).reshape({-1});
+    const at::Tensor labels = batch.targets().narrow(1, 1, T - 1).reshape({-1});
     const auto& split = parallelism.tensor_parallel;
     const at::Tensor per_token =
         parallelism.tensor_parallel_split()
             ? tp::vocab_parallel_token_losses(shifted, labels, split->group(), split->vocab_start(),
                                               -100, split->counters())
-            : torch::nn::functional::cross_entropy(
-                  shifted, labels,
-                  torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+            : torch::nn::functional::cross_entropy(shifted, labels,
+                                                   torch::nn::functional::CrossEntropyFuncOptions()
+                                                       .reduction(torch::kNone)
+                                                       .ignore_index(-100));
     loss_sum += per_token.to(torch::kDouble).sum().item<double>();
-    tokens += real * (T - 1);
+    tokens += predicted_tokens(batch);
   }
   if (training) model->train();
   // Over the data-parallel group: the tensor-parallel ranks of one hold the same losses.

@@ -37,27 +37,36 @@ std::string describe_aux_loss_weight(const hf::LlamaConfig& config,
 CausalLmLoss::CausalLmLoss(const hf::LlamaConfig& config, double aux_weight)
     : moe_(config.moe.has_value()), aux_weight_(aux_weight) {}
 
-std::int64_t CausalLmLoss::predicted_tokens(const at::Tensor& ids) const {
-  // Each position but the last predicts the next token; no label is ignored.
-  return ids.size(0) * std::max<std::int64_t>(ids.size(1) - 1, 0);
+std::int64_t CausalLmLoss::predicted_tokens(const Batch& batch) const {
+  return train::predicted_tokens(batch);
 }
 
 LossParts CausalLmLoss::operator()(hf::CausalLM& model, const hf::Parallelism& parallelism,
-                                   const at::Tensor& logits, const at::Tensor& ids,
+                                   const at::Tensor& logits, const Batch& batch,
                                    const LossNormalisation& normalisation) {
   LossParts parts;
-  // With tensor parallelism the logits are this rank's vocabulary columns; the loss is the
-  // whole vocabulary's (vocab-parallel cross entropy), the same on every rank of the group.
-  parts.loss = hf::causal_lm_loss(parallelism, logits, ids);
-  parts.tokens = predicted_tokens(ids);
-  // The sum of the per-token losses / normalisation.tokens, written as the mean x tokens /
-  // normalisation.tokens: without accumulation that factor is exactly 1, so the objective and
-  // its gradients are bit for bit the plain mean's.
-  parts.objective = parts.loss * (static_cast<double>(parts.tokens) / normalisation.tokens);
+  parts.tokens = predicted_tokens(batch);
+  if (parts.tokens > 0) {
+    // With tensor parallelism the logits are this rank's vocabulary columns; the loss is the
+    // whole vocabulary's (vocab-parallel cross entropy), the same on every rank of the group.
+    parts.loss = hf::causal_lm_loss(parallelism, logits, batch.targets());
+    // The sum of the per-token losses / normalisation.tokens, written as the mean x tokens /
+    // normalisation.tokens: without accumulation that factor is exactly 1, so the objective
+    // and its gradients are bit for bit the plain mean's.
+    parts.objective = parts.loss * (static_cast<double>(parts.tokens) / normalisation.tokens);
+  } else {
+    // Nothing to predict (all prompt or padding): the mean over no token would be NaN. The
+    // objective is still a function of the logits, so that its backward runs the same hooks
+    // and collectives (FSDP's gradient reduction, tensor parallelism's) as on the other ranks,
+    // with zero gradients. The tensor-parallel ranks of a data-parallel rank share its batch,
+    // so they all take this branch together.
+    parts.loss = at::zeros({}, logits.options().dtype(at::kFloat));
+    parts.objective = logits.sum() * 0.0;
+  }
   if (moe_) {
     // Measured for the log in any case; in the objective with its weight, each micro-batch's
     // forward for its share of the step (LossNormalisation::micro_batches).
-    parts.aux_loss = model->aux_loss();
+    parts.aux_loss = model->aux_loss(batch.attention_mask);
     if (aux_weight_ > 0) {
       parts.objective = parts.objective + (aux_weight_ / normalisation.micro_batches) *
                                               parts.aux_loss.to(parts.loss.device());

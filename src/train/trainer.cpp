@@ -112,7 +112,7 @@ void Trainer::resume(const std::filesystem::path& checkpoint, const TrainerState
   state_.skipped_steps = state.skipped_steps;
 }
 
-at::Tensor Trainer::next_batch() const {
+Batch Trainer::next_batch() const {
   // This rank's slice of the step's global batch: the data-parallel ranks take consecutive
   // blocks of the run's stream (the tensor-parallel ranks of one take the same).
   std::vector<std::int64_t> which;
@@ -122,14 +122,14 @@ at::Tensor Trainer::next_batch() const {
   return data_.rows(which).to(compute_device());
 }
 
-Trainer::BatchTotals Trainer::run_batch(const at::Tensor& ids, int step) {
-  const std::vector<at::Tensor> micro = ids.split(micro_batch_);
+Trainer::BatchTotals Trainer::run_batch(const Batch& batch, int step) {
+  const std::vector<Batch> micro = batch.split(micro_batch_);
   // The step's predicted tokens over every micro-batch and data-parallel rank, known before
   // the first backward: each micro-batch's objective is its loss sum over them (x dp, which
   // FSDP's averaging over the ranks takes back), so the accumulated gradient is the step's
   // per-token mean however the tokens fall into micro-batches and ranks.
   std::int64_t local_tokens = 0;
-  for (const at::Tensor& batch : micro) local_tokens += loss_->predicted_tokens(batch);
+  for (const Batch& part : micro) local_tokens += loss_->predicted_tokens(part);
   const std::int64_t global_tokens =
       allreduce(local_tokens, "sum", parallel_.data_parallel_group.group());
   const LossNormalisation normalisation{.tokens = static_cast<double>(global_tokens) / dp_size_,
@@ -139,7 +139,7 @@ Trainer::BatchTotals Trainer::run_batch(const at::Tensor& ids, int step) {
   for (std::size_t k = 0; k < micro.size(); ++k) {
     // The last backward reduce-scatters the gradients accumulated over every micro-batch.
     if (k + 1 == micro.size()) sync.resume();
-    const at::Tensor logits = model_->forward(micro[k]);
+    const at::Tensor logits = model_->forward(micro[k].ids, micro[k].attention_mask);
     LossParts parts = (*loss_)(model_, parallelism_, logits, micro[k], normalisation);
     if (options_.nonfinite_steps.contains(step)) {
       const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -163,12 +163,12 @@ StepStats Trainer::step() {
   StepStats stats;
   stats.step = state_.step + 1;
   const auto began = std::chrono::steady_clock::now();
-  const at::Tensor ids = next_batch();
+  const Batch batch = next_batch();
   stats.lr = options_.schedule.at(stats.step);
   set_lr(*optimizer_, stats.lr);
   optimizer_->zero_grad();
   const std::int64_t sent_before = parallelism_.communication().all_to_all_bytes;
-  const BatchTotals totals = run_batch(ids, stats.step);
+  const BatchTotals totals = run_batch(batch, stats.step);
   const double max_norm =
       options_.grad_clip > 0 ? options_.grad_clip : std::numeric_limits<double>::infinity();
   stats.grad_norm = hf::clip_grad_norm_(model_, parallelism_, max_norm);

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <iostream>
@@ -105,9 +106,34 @@ mdist::train::SequenceSource data(const LlamaConfig& config, std::int64_t repeat
       const std::int64_t distinct = (p / (repeat * block)) * block + p % block;
       rows.push_back(distinct % sequences.size(0));
     }
-    return sequences.index_select(0, torch::tensor(rows, torch::kLong));
+    return mdist::train::Batch{.ids = sequences.index_select(0, torch::tensor(rows, torch::kLong))};
   };
   source.description = "seeded";
+  return source;
+}
+
+// data() with supervised-style labels, ragged by position p in the stream: the first p % 5
+// labels ignored (a prompt), right padding after T - p % 3 real tokens (id 0, attention mask
+// 0, labels ignored), and every sequence at p % 8 == 2 ignored whole, so that some
+// micro-batches of one sequence predict nothing.
+mdist::train::SequenceSource masked_data(const LlamaConfig& config) {
+  mdist::train::SequenceSource source = data(config);
+  source.rows = [rows = source.rows](const std::vector<std::int64_t>& which) {
+    mdist::train::Batch batch = rows(which);
+    batch.labels = batch.ids.clone();
+    batch.attention_mask = torch::ones_like(batch.ids);
+    for (std::size_t b = 0; b < which.size(); ++b) {
+      const std::int64_t p = which[b], i = static_cast<std::int64_t>(b);
+      const std::int64_t length = kSeqLen - p % 3;
+      batch.labels[i].narrow(0, 0, p % 5).fill_(-100);
+      batch.ids[i].narrow(0, length, kSeqLen - length).fill_(0);
+      batch.labels[i].narrow(0, length, kSeqLen - length).fill_(-100);
+      batch.attention_mask[i].narrow(0, length, kSeqLen - length).fill_(0);
+      if (p % 8 == 2) batch.labels[i].fill_(-100);
+    }
+    return batch;
+  };
+  source.description = "seeded, masked";
   return source;
 }
 
@@ -177,6 +203,7 @@ struct Case {
   std::string name;
   std::string arch;
   Layout layout;
+  bool masked = false;  // masked_data: ignored labels, padding, micro-batches with no token
 };
 
 // Test names show the case's name, not the struct's bytes.
@@ -191,8 +218,8 @@ TEST_P(MicroBatches, EqualOneBatchOfTheirUnion) {
   // The load-balancing loss is measured but not trained on: it is a per-forward statistic,
   // not additive over micro-batches (LoadBalancingLossIsTheMeanOverMicroBatches).
   const auto make = [&](std::optional<std::int64_t> micro) {
-    return trainer(seeded_job(config, c.layout), data(config), options(c.layout, micro),
-                   causal_lm_loss(config));
+    return trainer(seeded_job(config, c.layout), c.masked ? masked_data(config) : data(config),
+                   options(c.layout, micro), causal_lm_loss(config));
   };
   auto whole = make({});
   EXPECT_EQ(whole->micro_batches(), 1);
@@ -233,8 +260,48 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MicroBatches,
                          ::testing::Values(Case{"Dense", "llama", {}},
                                            Case{"DenseTp2", "llama", {.tp = 2}},
                                            Case{"Moe", "qwen3_moe", {}},
-                                           Case{"MoeEp2", "qwen3_moe", {.ep = 2}}),
+                                           Case{"MoeEp2", "qwen3_moe", {.ep = 2}},
+                                           Case{"DenseMasked", "llama", {}, true},
+                                           Case{"DenseTp2Masked", "llama", {.tp = 2}, true},
+                                           Case{"MoeEp2Masked", "qwen3_moe", {.ep = 2}, true}),
                          [](const auto& param_info) { return param_info.param.name; });
+
+// With ignored labels and padding, a step's loss is the mean over the step's predicted tokens
+// (transformers' loss of the whole global batch at once), however the tokens fall into ranks
+// and micro-batches, micro-batches with none among them: against one forward of the global
+// batch on an unsplit copy of the same model.
+TEST(Accumulation, MaskedLossIsTheMeanOverTheStepsPredictedTokens) {
+  const LlamaConfig config = fixture("qwen3_moe");
+  const Layout layout;
+  const auto source = masked_data(config);
+  auto t = trainer(seeded_job(config, layout), source, options(layout, 1), causal_lm_loss(config));
+  const StepStats got = t->step();
+  torch::manual_seed(17);  // seeded_job's model, unsplit, before any update
+  CausalLM plain(config);
+  const at::NoGradGuard no_grad;
+  const std::int64_t global = layout.dp() * kPerRank;
+  std::vector<std::int64_t> which;
+  for (std::int64_t p = 0; p < global; ++p) which.push_back(p);
+  const mdist::train::Batch batch = source.rows(which);
+  ASSERT_EQ(batch.labels[2].ne(-100).sum().item<std::int64_t>(), 0)
+      << "the test's data has no micro-batch without a predicted token";
+  const at::Tensor logits = plain->forward(batch.ids, batch.attention_mask);
+  const double want = mdist::hf::causal_lm_loss(logits, batch.labels).item<double>();
+  EXPECT_NEAR(got.loss, want, kLossTolerance * want);
+  // The load-balancing loss of each forward (one sequence here) leaves its padding out, as
+  // transformers' does with the mask; the step reports the mean over the forwards.
+  double aux = 0;
+  for (const std::int64_t p : which) {
+    const mdist::train::Batch one = source.rows({p});
+    static_cast<void>(plain->forward(one.ids, one.attention_mask));
+    aux += plain->aux_loss(one.attention_mask).item<double>() / static_cast<double>(global);
+  }
+  EXPECT_NEAR(got.aux_loss, aux, 1e-6 * aux);
+  if (mdist::rank() == 0) {
+    std::cout << "masked first step: loss " << got.loss << " against " << want
+              << " of one forward of the global batch" << std::endl;
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // FSDP's reduce-scatters: as many per step as without accumulation, none before the last
@@ -254,14 +321,14 @@ std::int64_t reduce_scatters(CausalLM& model) {
 class CountingLoss final : public mdist::train::LossFunction {
  public:
   explicit CountingLoss(const LlamaConfig& config) : loss_(config, 0) {}
-  std::int64_t predicted_tokens(const at::Tensor& ids) const override {
-    return loss_.predicted_tokens(ids);
+  std::int64_t predicted_tokens(const mdist::train::Batch& batch) const override {
+    return loss_.predicted_tokens(batch);
   }
   mdist::train::LossParts operator()(CausalLM& model, const mdist::hf::Parallelism& parallelism,
-                                     const at::Tensor& logits, const at::Tensor& ids,
+                                     const at::Tensor& logits, const mdist::train::Batch& batch,
                                      const mdist::train::LossNormalisation& n) override {
     seen.push_back(reduce_scatters(model));
-    return loss_(model, parallelism, logits, ids, n);
+    return loss_(model, parallelism, logits, batch, n);
   }
   bool reports_aux_loss() const override { return loss_.reports_aux_loss(); }
   double aux_loss_weight() const override { return 0; }
@@ -325,7 +392,8 @@ TEST(Accumulation, LoadBalancingLossIsTheMeanOverMicroBatches) {
       std::vector<std::int64_t> which;
       for (std::int64_t b = 0; b < micro; ++b)
         which.push_back(mdist::rank() * kPerRank + k * micro + b);
-      static_cast<void>(probe.model.model->forward(source.rows(which).to(mdist::compute_device())));
+      static_cast<void>(
+          probe.model.model->forward(source.rows(which).ids.to(mdist::compute_device())));
       expected += probe.model.model->aux_loss().item<double>() / (kPerRank / micro);
     }
     expected = mdist::allreduce(expected) / mdist::size();

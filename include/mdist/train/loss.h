@@ -10,6 +10,7 @@
 
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/parallelize.h"
+#include "mdist/train/sequences.h"
 
 namespace mdist::train {
 
@@ -43,15 +44,15 @@ struct LossParts {
 class LossFunction {
  public:
   virtual ~LossFunction() = default;
-  // The tokens of `ids` whose loss counts: the trainer sums them over the step's micro-batches
-  // and data-parallel ranks before the first forward (LossNormalisation::tokens). Every token
-  // but each sequence's first today; the unmasked labels with a loss mask.
-  virtual std::int64_t predicted_tokens(const at::Tensor& ids) const = 0;
-  // `ids` [B, T]: the micro-batch the model ran on (labels are the inputs shifted by one);
-  // `logits`: its forward's output (this rank's vocabulary columns under tensor parallelism,
-  // as `parallelism` says); `normalisation`: how the objective is weighed in the step.
+  // The tokens of `batch` whose loss counts: the trainer sums them over the step's
+  // micro-batches and data-parallel ranks before the first forward
+  // (LossNormalisation::tokens).
+  virtual std::int64_t predicted_tokens(const Batch& batch) const = 0;
+  // `batch`: the micro-batch the model ran on; `logits`: its forward's output (this rank's
+  // vocabulary columns under tensor parallelism, as `parallelism` says); `normalisation`: how
+  // the objective is weighed in the step.
   virtual LossParts operator()(hf::CausalLM& model, const hf::Parallelism& parallelism,
-                               const at::Tensor& logits, const at::Tensor& ids,
+                               const at::Tensor& logits, const Batch& batch,
                                const LossNormalisation& normalisation) = 0;
   // Whether parts.aux_loss is set (a mixture of experts).
   virtual bool reports_aux_loss() const = 0;
@@ -68,15 +69,16 @@ std::string describe_aux_loss_weight(const hf::LlamaConfig& config,
                                      const std::optional<double>& requested);
 
 // HF's causal-LM loss (vocab-parallel under tensor parallelism: no rank builds the full
-// logits) as a sum over the tokens / normalisation.tokens, plus aux_weight / micro_batches x
-// the load-balancing loss of the forward's routers (every token of a sequence is real: no
-// mask, so every micro-batch predicts B x (T - 1) > 0 tokens).
+// logits) over the batch's predicted tokens (labels of -100 ignored) as a sum over them /
+// normalisation.tokens, plus aux_weight / micro_batches x the load-balancing loss of the
+// forward's routers (padding left out by the batch's attention mask). A micro-batch with no
+// predicted token adds nothing (its loss reported as 0 over 0 tokens).
 class CausalLmLoss final : public LossFunction {
  public:
   CausalLmLoss(const hf::LlamaConfig& config, double aux_weight);
-  std::int64_t predicted_tokens(const at::Tensor& ids) const override;
+  std::int64_t predicted_tokens(const Batch& batch) const override;
   LossParts operator()(hf::CausalLM& model, const hf::Parallelism& parallelism,
-                       const at::Tensor& logits, const at::Tensor& ids,
+                       const at::Tensor& logits, const Batch& batch,
                        const LossNormalisation& normalisation) override;
   bool reports_aux_loss() const override { return moe_; }
   double aux_loss_weight() const override { return aux_weight_; }

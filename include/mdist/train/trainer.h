@@ -130,8 +130,8 @@ class Trainer {
   };
   // Forward and backward over this rank's batch, micro-batch by micro-batch, FSDP's gradient
   // sync only on the last. Collective.
-  BatchTotals run_batch(const at::Tensor& ids, int step);
-  at::Tensor next_batch() const;
+  BatchTotals run_batch(const Batch& batch, int step);
+  Batch next_batch() const;
 
   hf::CausalLM model_;
   hf::Parallelism parallelism_;
