@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <numbers>
+#include <optional>
 #include <sstream>
 #include <string_view>
 #include <tuple>
@@ -130,13 +131,41 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
   const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   q = q * c + rotate_half(q) * s;
   k = k * c + rotate_half(k) * s;
-  // Cached as transformers caches: after RoPE, before the grouped-query repeat.
-  if (cache != nullptr) std::tie(k, v) = cache->append(k, v);
-  k = repeat_kv(k, heads / kv_heads);
-  v = repeat_kv(v, heads / kv_heads);
-  const at::Tensor out = mask.defined()
-                             ? at::scaled_dot_product_attention(q, k, v, mask, 0.0, false)
-                             : at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+  const int64_t repeats = heads / kv_heads;
+  at::Tensor out;
+  if (cache == nullptr) {
+    k = repeat_kv(k, repeats);
+    v = repeat_kv(v, repeats);
+    out = mask.defined() ? at::scaled_dot_product_attention(q, k, v, mask, 0.0, false)
+                         : at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+  } else {
+    // Cached as transformers caches: after RoPE, before the grouped-query repeat.
+    std::tie(k, v) = cache->append(k, v);
+    // Repeating the whole cache's KV heads every step would copy it every step (the step time
+    // would grow with the sequence): instead the query heads sharing a KV head are stacked
+    // along the query axis, [B, H_kv, repeats * T, D], which is the same attention row by row.
+    // No mask: the cache was empty (causal), or one query that sees every key (the caller
+    // leaves the mask out only then).
+    const at::Tensor grouped = q.reshape({batch, kv_heads, repeats * time, head_dim});
+    at::Tensor grouped_mask;
+    if (mask.defined()) {
+      grouped_mask = mask.unsqueeze(2)
+                         .expand({batch, 1, repeats, time, mask.size(-1)})
+                         .reshape({batch, 1, repeats * time, mask.size(-1)});
+    }
+    const bool causal = !mask.defined() && cache->length() == time;
+    if (causal && repeats > 1 && time > 1) {  // stacked queries are not one causal triangle
+      k = repeat_kv(k, repeats);
+      v = repeat_kv(v, repeats);
+      out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+    } else {
+      // An undefined tensor is not "no mask" to scaled_dot_product_attention: nullopt is.
+      const std::optional<at::Tensor> no_or_mask =
+          grouped_mask.defined() ? std::optional<at::Tensor>(grouped_mask) : std::nullopt;
+      out = at::scaled_dot_product_attention(grouped, k, v, no_or_mask, 0.0, causal)
+                .reshape({batch, heads, time, head_dim});
+    }
+  }
   return mdist::nn::call(o_proj, out.transpose(1, 2).reshape({batch, time, heads * head_dim}));
 }
 
@@ -335,7 +364,9 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
   // is_causal aligns the triangle to the first key, not the last, so it cannot be used then).
   at::Tensor mask;
   const bool windowed = sliding_window && keys > *sliding_window;
-  if (attention_mask.defined() || windowed || past > 0) {
+  // One new token after cached ones sees every key: no mask needed (no padding, no window).
+  const bool single_query = past > 0 && time == 1;
+  if (attention_mask.defined() || windowed || (past > 0 && !single_query)) {
     const auto long_options = torch::TensorOptions().dtype(at::kLong).device(device);
     const at::Tensor query = torch::arange(past, keys, long_options);
     const at::Tensor key = torch::arange(keys, long_options);
