@@ -74,8 +74,9 @@ struct AttentionImpl : torch::nn::Module {
   explicit AttentionImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
   // x [B, T, hidden]; cos, sin [B, T, head_dim]; mask: undefined (causal) or bool
   // [B, 1, T, K], true where a query may attend to a key. With a cache, this step's keys and
-  // values are appended to it and the queries attend to all K = cached + T of them (the mask
-  // is then required unless the cache was empty).
+  // values are appended to it and the queries attend to all K = cached + T of them (without a
+  // mask that is causal when the cache was empty, else all keys: DecoderModel leaves the mask
+  // out after cached keys only for one query with no padding and no window).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& mask, LayerKvCache* cache = nullptr);
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
