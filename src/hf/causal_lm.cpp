@@ -3,8 +3,10 @@
 
 #include <cmath>
 #include <numbers>
+#include <optional>
 #include <sstream>
 #include <string_view>
+#include <tuple>
 #include <utility>
 
 #include "mdist/error.h"
@@ -114,7 +116,7 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c, c10::Device device)
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                  const at::Tensor& mask) {
+                                  const at::Tensor& mask, LayerKvCache* cache) {
   const int64_t batch = x.size(0), time = x.size(1);
   at::Tensor q = mdist::nn::call(q_proj, x).view({batch, time, heads, head_dim});
   at::Tensor k = mdist::nn::call(k_proj, x).view({batch, time, kv_heads, head_dim});
@@ -129,11 +131,41 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
   const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   q = q * c + rotate_half(q) * s;
   k = k * c + rotate_half(k) * s;
-  k = repeat_kv(k, heads / kv_heads);
-  v = repeat_kv(v, heads / kv_heads);
-  const at::Tensor out = mask.defined()
-                             ? at::scaled_dot_product_attention(q, k, v, mask, 0.0, false)
-                             : at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+  const int64_t repeats = heads / kv_heads;
+  at::Tensor out;
+  if (cache == nullptr) {
+    k = repeat_kv(k, repeats);
+    v = repeat_kv(v, repeats);
+    out = mask.defined() ? at::scaled_dot_product_attention(q, k, v, mask, 0.0, false)
+                         : at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+  } else {
+    // Cached as transformers caches: after RoPE, before the grouped-query repeat.
+    std::tie(k, v) = cache->append(k, v);
+    // Repeating the whole cache's KV heads every step would copy it every step (the step time
+    // would grow with the sequence): instead the query heads sharing a KV head are stacked
+    // along the query axis, [B, H_kv, repeats * T, D], which is the same attention row by row.
+    // No mask: the cache was empty (causal), or one query that sees every key (the caller
+    // leaves the mask out only then).
+    const at::Tensor grouped = q.reshape({batch, kv_heads, repeats * time, head_dim});
+    at::Tensor grouped_mask;
+    if (mask.defined()) {
+      grouped_mask = mask.unsqueeze(2)
+                         .expand({batch, 1, repeats, time, mask.size(-1)})
+                         .reshape({batch, 1, repeats * time, mask.size(-1)});
+    }
+    const bool causal = !mask.defined() && cache->length() == time;
+    if (causal && repeats > 1 && time > 1) {  // stacked queries are not one causal triangle
+      k = repeat_kv(k, repeats);
+      v = repeat_kv(v, repeats);
+      out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+    } else {
+      // An undefined tensor is not "no mask" to scaled_dot_product_attention: nullopt is.
+      const std::optional<at::Tensor> no_or_mask =
+          grouped_mask.defined() ? std::optional<at::Tensor>(grouped_mask) : std::nullopt;
+      out = at::scaled_dot_product_attention(grouped, k, v, no_or_mask, 0.0, causal)
+                .reshape({batch, heads, time, head_dim});
+    }
+  }
   return mdist::nn::call(o_proj, out.transpose(1, 2).reshape({batch, time, heads * head_dim}));
 }
 
@@ -271,9 +303,10 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c, c10::Device device, int
 }
 
 at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos,
-                                     const at::Tensor& sin, const at::Tensor& mask) {
+                                     const at::Tensor& sin, const at::Tensor& mask,
+                                     LayerKvCache* cache) {
   const at::Tensor h =
-      x + mdist::nn::call(self_attn, mdist::nn::call(input_layernorm, x), cos, sin, mask);
+      x + mdist::nn::call(self_attn, mdist::nn::call(input_layernorm, x), cos, sin, mask, cache);
   const at::Tensor normed = mdist::nn::call(post_attention_layernorm, h);
   return h + (moe ? mdist::nn::call(moe, normed) : mdist::nn::call(mlp, normed));
 }
@@ -292,15 +325,24 @@ DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c, c10::Device device)
 }
 
 at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                                     const at::Tensor& position_ids) {
+                                     const at::Tensor& position_ids, KvCache* cache) {
   if (input_ids.dim() != 2) {
     throw Error("mdist::hf::CausalLM: input_ids must be [batch, seq], got " + shape_of(input_ids));
   }
   const int64_t batch = input_ids.size(0), time = input_ids.size(1);
   const auto device = input_ids.device();
-  if (attention_mask.defined() && attention_mask.sizes() != input_ids.sizes()) {
+  if (cache != nullptr && cache->layers() != static_cast<int64_t>(decoder_layers.size())) {
+    throw Error("mdist::hf::CausalLM: a KvCache of " + std::to_string(cache->layers()) +
+                " layers for a model of " + std::to_string(decoder_layers.size()));
+  }
+  // Positions already cached: the new tokens are keys past .. past + time - 1.
+  const int64_t past = cache != nullptr ? cache->length() : 0;
+  const int64_t keys = past + time;
+  if (attention_mask.defined() && (attention_mask.dim() != 2 || attention_mask.size(0) != batch ||
+                                   attention_mask.size(1) != keys)) {
     throw Error("mdist::hf::CausalLM: attention_mask " + shape_of(attention_mask) +
-                " does not match input_ids " + shape_of(input_ids));
+                " does not match input_ids " + shape_of(input_ids) +
+                (past > 0 ? " after " + std::to_string(past) + " cached positions" : ""));
   }
   at::Tensor h = mdist::nn::call(embed_tokens, input_ids);
 
@@ -308,7 +350,7 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
   at::Tensor positions =
       position_ids.defined()
           ? position_ids
-          : torch::arange(time, torch::TensorOptions().dtype(at::kLong).device(device));
+          : torch::arange(past, keys, torch::TensorOptions().dtype(at::kLong).device(device));
   if (positions.dim() == 1) positions = positions.unsqueeze(0);
   positions = positions.expand({batch, time}).to(at::kFloat);
   const at::Tensor freq = inv_freq.to(device).view({1, -1, 1}).expand({batch, -1, 1});
@@ -317,26 +359,34 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
   const at::Tensor cos = angles.cos().to(h.scalar_type());
   const at::Tensor sin = angles.sin().to(h.scalar_type());
 
-  // The attention mask: none (plain causal) unless padding or a sliding window matters.
+  // The attention mask [B, 1, T, keys] over cache indices: none (plain causal) unless padding
+  // or a sliding window matters, or queries follow cached keys (scaled_dot_product_attention's
+  // is_causal aligns the triangle to the first key, not the last, so it cannot be used then).
   at::Tensor mask;
-  const bool windowed = sliding_window && time > *sliding_window;
-  if (attention_mask.defined() || windowed) {
-    const at::Tensor idx =
-        torch::arange(time, torch::TensorOptions().dtype(at::kLong).device(device));
-    const at::Tensor distance = idx.view({time, 1}) - idx.view({1, time});  // query - key
+  const bool windowed = sliding_window && keys > *sliding_window;
+  // One new token after cached ones sees every key: no mask needed (no padding, no window).
+  const bool single_query = past > 0 && time == 1;
+  if (attention_mask.defined() || windowed || (past > 0 && !single_query)) {
+    const auto long_options = torch::TensorOptions().dtype(at::kLong).device(device);
+    const at::Tensor query = torch::arange(past, keys, long_options);
+    const at::Tensor key = torch::arange(keys, long_options);
+    const at::Tensor distance = query.view({time, 1}) - key.view({1, keys});  // query - key
     at::Tensor allowed = distance >= 0;
     if (windowed) allowed = allowed.logical_and(distance < *sliding_window);
-    mask = allowed.view({1, 1, time, time});
+    mask = allowed.view({1, 1, time, keys});
     if (attention_mask.defined()) {
-      mask = mask.logical_and(attention_mask.to(at::kBool).view({batch, 1, 1, time}));
+      mask = mask.logical_and(attention_mask.to(at::kBool).view({batch, 1, 1, keys}));
     }
-    mask = mask.expand({batch, 1, time, time});
+    mask = mask.expand({batch, 1, time, keys});
     // A query that may attend to no key (a left-padding position) attends to all instead,
     // so that its (unused) output is finite rather than NaN.
     mask = mask.logical_or(mask.any(-1, /*keepdim=*/true).logical_not());
   }
 
-  for (auto& layer : decoder_layers) h = mdist::nn::call(layer, h, cos, sin, mask);
+  for (std::size_t i = 0; i < decoder_layers.size(); ++i) {
+    LayerKvCache* layer_cache = cache != nullptr ? &cache->layer(static_cast<int64_t>(i)) : nullptr;
+    h = mdist::nn::call(decoder_layers[i], h, cos, sin, mask, layer_cache);
+  }
   return mdist::nn::call(norm, h);
 }
 
@@ -353,13 +403,14 @@ CausalLMImpl::CausalLMImpl(LlamaConfig config_, c10::Device device) : config(std
 }
 
 at::Tensor CausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                                 const at::Tensor& position_ids) {
-  return mdist::nn::hooked(*this, &CausalLMImpl::body, input_ids, attention_mask, position_ids);
+                                 const at::Tensor& position_ids, KvCache* cache) {
+  return mdist::nn::hooked(*this, &CausalLMImpl::body, input_ids, attention_mask, position_ids,
+                           cache);
 }
 
 at::Tensor CausalLMImpl::body(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                              const at::Tensor& position_ids) {
-  const at::Tensor h = mdist::nn::call(model, input_ids, attention_mask, position_ids);
+                              const at::Tensor& position_ids, KvCache* cache) {
+  const at::Tensor h = mdist::nn::call(model, input_ids, attention_mask, position_ids, cache);
   if (lm_head) return mdist::nn::call(lm_head, h);
   return at::linear(h, model->embed_tokens->weight);
 }

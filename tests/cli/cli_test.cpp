@@ -163,6 +163,41 @@ TEST_F(MdistCommand, GenerateSamplesBytesAndIsTheSameOnEveryRankCount) {
   EXPECT_EQ(sample(one.out).substr(0, 4), "KING") << one.out;
   EXPECT_GE(sample(one.out).size(), 4u + 16u);
   EXPECT_EQ(sample(two.out), sample(one.out)) << one.out << two.out;
+
+  // A batch (--prompt and --prompts FILE, of different lengths: left-padded) continues each
+  // prompt as it is continued alone, greedy and sampled (top-p), on any rank count.
+  std::ofstream(dir_ / "prompts.txt") << "First Citizen:\n\nQUEEN\n";
+  const std::vector<std::vector<std::string>> choices = {{"--greedy"},
+                                                         {"--top-p", "0.9", "--top-k", "0"}};
+  for (const auto& how : choices) {
+    std::vector<std::string> batch_args = {"generate",
+                                           "--model",
+                                           model,
+                                           "--max-new-tokens",
+                                           "12",
+                                           "--prompt",
+                                           "KING",
+                                           "--prompts",
+                                           (dir_ / "prompts.txt").string()};
+    batch_args.insert(batch_args.end(), how.begin(), how.end());
+    const auto batch_one = mdist(1, batch_args), batch_two = mdist(2, batch_args);
+    ASSERT_EQ(batch_one.exit_code, 0) << describe(batch_one);
+    ASSERT_EQ(batch_two.exit_code, 0) << describe(batch_two);
+    EXPECT_EQ(sample(batch_two.out), sample(batch_one.out));
+    std::string alone;
+    for (const std::string prompt : {"KING", "First Citizen:", "QUEEN"}) {
+      std::vector<std::string> single = {"generate", "--model",  model, "--max-new-tokens",
+                                         "12",       "--prompt", prompt};
+      single.insert(single.end(), how.begin(), how.end());
+      const auto each = mdist(1, single);
+      ASSERT_EQ(each.exit_code, 0) << describe(each);
+      alone += (alone.empty() ? "" : "\n----\n") + sample(each.out);
+    }
+    if (how.front() == "--greedy") {
+      EXPECT_EQ(sample(batch_one.out), alone) << batch_one.out;
+    }
+    EXPECT_EQ(sample(batch_one.out).substr(0, 4), "KING");
+  }
 }
 
 TEST_F(MdistCommand, TrainContinuesFromAHuggingFaceDirectory) {
@@ -444,6 +479,7 @@ TEST_P(MdistBadInput, IsOneClearLineAndNoOutput) {
   std::ofstream(dir_ / "short.txt") << "too short";
   std::ofstream(dir_ / "big_id.ids") << "1 2 3 256 4";
   std::ofstream(dir_ / "a_file") << "not a directory";
+  std::ofstream(dir_ / "empty.txt") << "\n\n";  // blank lines only: no prompt
   fs::create_directories(dir_ / "heads3");
   std::ofstream(dir_ / "heads3" / "config.json") << R"({"architectures": ["LlamaForCausalLM"],
     "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -614,6 +650,25 @@ INSTANTIATE_TEST_SUITE_P(
                  2,
                  {"generate", "--temperature", "inf"},
                  "--temperature must be a positive number (or use --greedy), got inf"},
+        BadInput{"ZeroTemperature",
+                 1,
+                 {"generate", "--temperature", "0"},
+                 "--temperature must be a positive number (or use --greedy), got 0"},
+        BadInput{"TopPOutsideZeroToOne",
+                 2,
+                 {"generate", "--top-p", "1.5"},
+                 "--top-p must be in (0, 1], got 1.5"},
+        BadInput{"NegativeTopK", 1, {"generate", "--top-k", "-1"}, "--top-k must not be negative"},
+        BadInput{"EmptyPromptFile",
+                 2,
+                 {"generate", "--prompts", "DIR/empty.txt"},
+                 "--prompts: 'DIR/empty.txt' has no prompt"},
+        BadInput{"PromptAndNewTokensPastTheModelsPositions",
+                 2,
+                 {"generate", "--prompt", "KING", "--prompts", "DIR/short.txt", "--max-new-tokens",
+                  "250"},
+                 "prompt 2 (9 tokens) and --max-new-tokens 250 exceed the model's "
+                 "max_position_embeddings 256"},
         BadInput{"NegativeMaxSequences",
                  1,
                  {"calibrate", "--max-sequences", "-1", "--out", "OUT"},

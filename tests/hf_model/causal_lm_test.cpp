@@ -1,5 +1,6 @@
 // mdist::hf::LlamaConfig and CausalLM against transformers: logits and loss of tiny random
 // models of each supported architecture (fixtures/<arch>/, written by make_fixtures.py).
+#include <ATen/CPUGeneratorImpl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -20,6 +21,8 @@
 #include "mdist/error.h"
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/config.h"
+#include "mdist/hf/generate.h"
+#include "mdist/hf/kv_cache.h"
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/nn/hooks.h"
@@ -233,6 +236,173 @@ TEST(ParityFixtures, Bfloat16ForwardStaysCloseToFloat32) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Architectures, Parity,
+                         ::testing::Values("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+                                           "qwen3_moe_norm", "qwen3_moe_ties", "qwen2_moe",
+                                           "mixtral"));
+
+// --- Key/value cache ----------------------------------------------------------------------
+
+// Logits of decoding with a KvCache, `chunks` tokens per forward after a prefill of `prefill`
+// tokens, against one forward of the whole sequence with the same mask and position ids.
+double cached_decoding_error(CausalLM& model, const at::Tensor& ids, const at::Tensor& mask,
+                             int64_t prefill, int64_t chunk) {
+  const int64_t time = ids.size(1);
+  const at::Tensor positions =
+      mask.defined() ? mdist::hf::generation_position_ids(mask, time) : at::Tensor();
+  const at::Tensor full = model->forward(ids, mask, positions);
+  mdist::hf::KvCache cache(model->config.num_hidden_layers);
+  std::vector<at::Tensor> steps;
+  for (int64_t start = 0; start < time;) {
+    const int64_t n = std::min(start == 0 ? prefill : chunk, time - start);
+    const at::Tensor step_mask = mask.defined() ? mask.slice(1, 0, start + n) : at::Tensor();
+    const at::Tensor step_positions =
+        mask.defined() ? mdist::hf::generation_position_ids(step_mask, n) : at::Tensor();
+    steps.push_back(
+        model->forward(ids.slice(1, start, start + n), step_mask, step_positions, &cache));
+    start += n;
+    EXPECT_EQ(cache.length(), start);
+  }
+  const at::Tensor cached = at::cat(steps, 1);
+  EXPECT_EQ(cached.sizes(), full.sizes());
+  const at::Tensor difference = (cached - full).abs();
+  if (!mask.defined()) return difference.max().item<double>();
+  return difference.index({mask.to(at::kBool)}).max().item<double>();  // padding is unspecified
+}
+
+class CachedDecoding : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CachedDecoding, EqualsTheFullForwardWithAndWithoutLeftPadding) {
+  std::map<std::string, at::Tensor> fixture;
+  CausalLM model = loaded_model(GetParam(), fixture);
+  const at::NoGradGuard no_grad;
+  torch::manual_seed(7);
+  // 24 tokens: past Mistral's window of 5 (and every other fixture's positions are enough).
+  const int64_t time = 24;
+  ASSERT_LE(time, model->config.max_position_embeddings);
+  const at::Tensor ids = torch::randint(model->config.vocab_size, {2, time}, torch::kLong);
+  at::Tensor mask = torch::ones({2, time}, torch::kLong);
+  mask.index_put_({1, torch::indexing::Slice(0, 4)}, 0);  // row 1 left-padded by 4
+  for (const int64_t prefill : {1, 7}) {
+    for (const int64_t chunk : {1, 3}) {
+      const double padded = cached_decoding_error(model, ids, mask, prefill, chunk);
+      const double plain = cached_decoding_error(model, ids, {}, prefill, chunk);
+      EXPECT_LT(padded, 1e-5) << GetParam() << " prefill " << prefill << " chunk " << chunk;
+      EXPECT_LT(plain, 1e-5) << GetParam() << " prefill " << prefill << " chunk " << chunk;
+    }
+  }
+}
+
+TEST(CachedDecoding, CacheHoldsKvHeadsAndRefusesAnotherBatch) {
+  std::map<std::string, at::Tensor> fixture;
+  CausalLM model = loaded_model("mistral", fixture);  // 4 query heads, 2 KV heads
+  const at::NoGradGuard no_grad;
+  mdist::hf::KvCache cache(model->config.num_hidden_layers);
+  EXPECT_EQ(cache.length(), 0);
+  model->forward(torch::zeros({2, 3}, torch::kLong), {}, {}, &cache);
+  const at::Tensor k =
+      torch::zeros({2, model->config.num_key_value_heads, 1, model->config.head_dim});
+  // What the layer holds: KV heads, not query heads (the append returns it all).
+  const auto [keys, values] = cache.layer(0).append(k, k);
+  EXPECT_EQ(keys.sizes(), (std::vector<int64_t>{2, 2, 4, model->config.head_dim}));
+  EXPECT_THAT(
+      [&] {
+        model->forward(torch::zeros({3, 1}, torch::kLong), {}, {}, &cache);
+      },
+      ::testing::ThrowsMessage<mdist::Error>(HasSubstr("do not continue the cache")));
+  mdist::hf::KvCache short_cache(1);
+  EXPECT_THAT(
+      [&] {
+        model->forward(torch::zeros({1, 1}, torch::kLong), {}, {}, &short_cache);
+      },
+      ::testing::ThrowsMessage<mdist::Error>(HasSubstr("a KvCache of 1 layers")));
+  // Positions counted from each row's first real token, padding 1 (as transformers' generate).
+  const at::Tensor mask = torch::tensor({0, 0, 1, 1, 1, 0, 1, 1, 1, 1}).view({2, 5});
+  EXPECT_TRUE(torch::equal(mdist::hf::generation_position_ids(mask, 5),
+                           torch::tensor({1, 1, 0, 1, 2, 1, 0, 1, 2, 3}).view({2, 5})));
+  EXPECT_TRUE(torch::equal(mdist::hf::generation_position_ids(mask, 1),
+                           torch::tensor({2, 3}).view({2, 1})));
+}
+
+// Greedy generation against transformers' model.generate (with its cache), generate.json of
+// make_generate_fixtures.py: each prompt alone and all of them as one left-padded batch.
+TEST_P(CachedDecoding, GreedyGenerationEqualsTransformersGenerate) {
+  std::map<std::string, at::Tensor> fixture;
+  CausalLM model = loaded_model(GetParam(), fixture);
+  const auto expected =
+      nlohmann::json::parse(read_text(fixture_dir(GetParam()) + "/generate.json"));
+  mdist::hf::GenerationOptions options;
+  options.max_new_tokens = expected.at("max_new_tokens").get<int64_t>();
+  options.eos_token_ids = mdist::hf::eos_token_ids(model->config);
+  EXPECT_EQ(options.eos_token_ids, expected.at("eos_token_id").get<std::vector<int64_t>>());
+  if (model->config.pad_token_id) options.pad_token_id = *model->config.pad_token_id;
+  ASSERT_EQ(expected.at("cases").size(), 4u);
+  for (const auto& c : expected.at("cases")) {
+    const auto prompts = c.at("prompts").get<std::vector<std::vector<int64_t>>>();
+    const auto outputs = mdist::hf::generate(model, prompts, options);
+    EXPECT_EQ(outputs, c.at("outputs").get<std::vector<std::vector<int64_t>>>())
+        << GetParam() << " " << prompts.size() << " prompt(s)";
+  }
+}
+
+TEST(Generate, RefusesWhatCannotBeGenerated) {
+  std::map<std::string, at::Tensor> fixture;
+  CausalLM model = loaded_model("llama", fixture);  // 64 positions
+  mdist::hf::GenerationOptions options;
+  options.max_new_tokens = 60;
+  const auto refused = [&](const std::vector<std::vector<int64_t>>& prompts,
+                           const std::string& message) {
+    EXPECT_THAT([&] { mdist::hf::generate(model, prompts, options); },
+                ::testing::ThrowsMessage<mdist::Error>(HasSubstr(message)));
+  };
+  refused({{1, 2, 3, 4, 5}}, "exceed the model's max_position_embeddings 64");
+  refused({}, "no prompts");
+  refused({{1}, {}}, "an empty prompt");
+  options.max_new_tokens = 4;
+  options.greedy = false;
+  options.top_p = 0;
+  refused({{1}}, "top_p must be in (0, 1]");
+  options.top_p = 1;
+  options.temperature = std::nan("");
+  refused({{1}}, "temperature must be a positive number");
+}
+
+// Sampling: top_k 1 and a tiny top_p are greedy; a seed gives the same tokens again.
+TEST(Generate, SamplingKeepsTheLikeliestAndFollowsTheSeed) {
+  std::map<std::string, at::Tensor> fixture;
+  CausalLM model = loaded_model("qwen3", fixture);
+  const std::vector<std::vector<int64_t>> prompts = {{3, 1, 4, 1, 5}, {9, 2}};
+  mdist::hf::GenerationOptions greedy;
+  greedy.max_new_tokens = 12;
+  const auto expected = mdist::hf::generate(model, prompts, greedy);
+  mdist::hf::GenerationOptions sampled = greedy;
+  sampled.greedy = false;
+  sampled.temperature = 0.7;
+  sampled.top_k = 1;
+  EXPECT_EQ(mdist::hf::generate(model, prompts, sampled), expected);
+  sampled.top_k = 0;
+  sampled.top_p = 1e-6;
+  EXPECT_EQ(mdist::hf::generate(model, prompts, sampled), expected);
+  sampled.top_p = 1;
+  sampled.temperature = 5;  // nearly uniform over 40 tokens: a different seed differs
+  sampled.seed = 1;
+  const auto first = mdist::hf::generate(model, prompts, sampled);
+  EXPECT_EQ(mdist::hf::generate(model, prompts, sampled), first);
+  sampled.seed = 2;
+  EXPECT_NE(mdist::hf::generate(model, prompts, sampled), first);
+  // top_p drops the least likely tokens whose probabilities add up to at most 1 - p: of
+  // probabilities 0.5, 0.3, 0.2, p = 0.6 keeps the first two, p = 0.4 the first alone.
+  const at::Tensor logits = torch::tensor({0.5, 0.3, 0.2}).log().view({1, 3}).repeat({200, 1});
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(3);
+  sampled.temperature = 1;
+  sampled.top_p = 0.6;
+  const at::Tensor two = mdist::hf::choose_tokens(logits, sampled, generator);
+  EXPECT_TRUE(two.lt(2).all().item<bool>());
+  EXPECT_TRUE(two.eq(1).any().item<bool>());
+  sampled.top_p = 0.4;
+  EXPECT_TRUE(mdist::hf::choose_tokens(logits, sampled, generator).eq(0).all().item<bool>());
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, CachedDecoding,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
                                            "qwen3_moe_norm", "qwen3_moe_ties", "qwen2_moe",
                                            "mixtral"));

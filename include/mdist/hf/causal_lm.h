@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "mdist/hf/config.h"
+#include "mdist/hf/kv_cache.h"
 
 namespace mdist::hf {
 
@@ -72,9 +73,12 @@ at::Tensor rope_inv_freq(const LlamaConfig& config);
 struct AttentionImpl : torch::nn::Module {
   explicit AttentionImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
   // x [B, T, hidden]; cos, sin [B, T, head_dim]; mask: undefined (causal) or bool
-  // [B, 1, T, T], true where a query may attend to a key.
+  // [B, 1, T, K], true where a query may attend to a key. With a cache, this step's keys and
+  // values are appended to it and the queries attend to all K = cached + T of them (without a
+  // mask that is causal when the cache was empty, else all keys: DecoderModel leaves the mask
+  // out after cached keys only for one query with no padding and no window).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& mask);
+                     const at::Tensor& mask, LayerKvCache* cache = nullptr);
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3 only
   int64_t heads, kv_heads, head_dim;
@@ -159,7 +163,7 @@ struct DecoderLayerImpl : torch::nn::Module {
   DecoderLayerImpl(const LlamaConfig& config, c10::Device device = c10::kCPU, int64_t index = 0);
   // Called by DecoderModel through mdist::nn::call, which runs this layer's hooks.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& mask);
+                     const at::Tensor& mask, LayerKvCache* cache = nullptr);
   Attention self_attn{nullptr};
   MLP mlp{nullptr};             // a dense layer
   SparseMoeBlock moe{nullptr};  // a sparse layer (registered as "mlp" or "block_sparse_moe")
@@ -173,8 +177,10 @@ struct DecoderModelImpl : torch::nn::Module {
   // input_ids [B, T] (int64); attention_mask: undefined or [B, T] of 0/1 (1: a real token);
   // position_ids: undefined (0..T-1 for every row, as HF's forward) or [B, T] / [T].
   // Returns the final hidden states [B, T, hidden].
+  // With a cache (mdist/hf/kv_cache.h) holding P positions: attention_mask is undefined or
+  // [B, P + T], position_ids default to P..P+T-1, and the new keys and values are appended.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                     const at::Tensor& position_ids);
+                     const at::Tensor& position_ids, KvCache* cache = nullptr);
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   std::vector<DecoderLayer> decoder_layers;  // layers, typed
@@ -188,11 +194,12 @@ struct CausalLMImpl : torch::nn::Module {
   // device: kCPU (parameters initialised as torch::nn's modules do) or kMeta (no storage);
   // anything else is an Error (build on the CPU, then ->to()).
   explicit CausalLMImpl(LlamaConfig config, c10::Device device = c10::kCPU);
-  // Logits [B, T, vocab] (see DecoderModelImpl::forward for the arguments).
+  // Logits [B, T, vocab] (see DecoderModelImpl::forward for the arguments, the cache's
+  // included: a KvCache of config.num_hidden_layers layers, owned by the caller).
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
-                     const at::Tensor& position_ids = {});
+                     const at::Tensor& position_ids = {}, KvCache* cache = nullptr);
   at::Tensor body(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                  const at::Tensor& position_ids);
+                  const at::Tensor& position_ids, KvCache* cache);
   // The output projection's weight: lm_head.weight, or embed_tokens.weight when tied.
   at::Tensor output_weight() const;
   // causal_lm_loss(logits, labels): HF's shifted cross entropy.

@@ -59,6 +59,10 @@ void run_post_hooks(torch::nn::Module& module, TensorRefs& outputs);
 void run_error_hooks(torch::nn::Module& module) noexcept;
 
 // Collects the tensors inside a value: a tensor, a vector of tensors, a tuple or pair of such.
+// Declared first, so that the tuple and pair overloads (templates, looked up where they are
+// defined) see it for their non-tensor members, e.g. a pointer argument.
+template <class T>
+void collect(TensorRefs&, T&) {}  // anything else carries no tensor
 inline void collect(TensorRefs& refs, at::Tensor& tensor) { refs.push_back(&tensor); }
 inline void collect(TensorRefs& refs, std::vector<at::Tensor>& tensors) {
   for (auto& tensor : tensors) refs.push_back(&tensor);
@@ -72,8 +76,6 @@ void collect(TensorRefs& refs, std::pair<A, B>& values) {
   collect(refs, values.first);
   collect(refs, values.second);
 }
-template <class T>
-void collect(TensorRefs&, T&) {}  // anything else carries no tensor
 
 template <class M>
 torch::nn::Module& base_of(M& module) {
