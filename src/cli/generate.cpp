@@ -39,6 +39,8 @@ int run_generate(const GenerateOptions& o) {
   const JobLayout layout = make_layout(o.tensor_parallel);
   const hf::ParallelModel built = build_wrapped_model(choice, o.seed, layout, mp_policy);
   hf::CausalLM model = built.model;
+  // A quantized checkpoint samples as its quantized model (inputs fake-quantized).
+  const auto quantizers = checkpoint_quantizers(choice, model);
   model->eval();
   const torch::NoGradGuard no_grad;
   auto generator = at::make_generator<at::CPUGeneratorImpl>(o.seed);
