@@ -293,6 +293,23 @@ TEST_F(QuantizeCommand, EvalRefusesQuantAlgosItCannotReadBack) {
   EXPECT_THAT(r.err, HasSubstr("kv_cache_quant_algo FP8"));
 }
 
+// train and calibrate work on a model's own weights, which a quantized checkpoint no longer
+// holds: refused, one line, exit 2.
+TEST_F(QuantizeCommand, TrainAndCalibrateRefuseAQuantizedCheckpoint) {
+  const std::string model = (fixture("llama") / "export_int8").string();
+  const std::string data = tokens("llama", "calib").string();
+  for (const std::string command : {"train", "calibrate"}) {
+    const fs::path out = dir_ / (command + "-out");
+    const auto r = mdist(
+        1, {command, "--model", model, "--data", data, "--seq-len", "16", "--out", out.string()});
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("is already quantized (quant_algo W8A8_SQ_PER_CHANNEL"));
+    EXPECT_THAT(r.err, HasSubstr(command + " needs an unquantized checkpoint"));
+    EXPECT_EQ(error_lines(r.err), 1) << r.err;
+    EXPECT_FALSE(fs::exists(out));
+  }
+}
+
 // A routed expert that no calibration token reached: modelopt's "MoE calibration incomplete",
 // one line, nothing written.
 TEST_F(QuantizeCommand, ExpertWithoutCalibrationTokensIsRefused) {
