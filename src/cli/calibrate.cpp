@@ -298,6 +298,7 @@ CalibrateInputs check_inputs(const CalibrateOptions& o) {
     check_tensor_parallel_size(o.io.tensor_parallel);
     check_expert_parallel_size(o.io.expert_parallel, o.io.tensor_parallel);
     in.choice = model_for_inference(o.io.model_dir, o.default_run);
+    check_not_quantized(in.choice, "calibrate");
     check_tensor_parallel(o.io.tensor_parallel, in.choice.config);
     check_expert_parallel(o.io.expert_parallel, o.io.tensor_parallel, in.choice.config);
     in.data = load_checked_data(o.io, DataSplit::train, in.choice, "calibrate");

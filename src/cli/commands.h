@@ -8,6 +8,7 @@
 #include "src/cli/eval_options.h"
 #include "src/cli/generate_options.h"
 #include "src/cli/info_options.h"
+#include "src/cli/quantize_options.h"
 #include "src/cli/tokenize_options.h"
 #include "src/cli/train_options.h"
 
@@ -16,6 +17,7 @@ namespace mdist::cli {
 int run_train(const TrainOptions& options);
 int run_eval(const EvalOptions& options);
 int run_calibrate(const CalibrateOptions& options);
+int run_quantize(const QuantizeOptions& options);
 int run_generate(const GenerateOptions& options);
 int run_info(const InfoOptions& options);
 int run_tokenize(const TokenizeOptions& options);

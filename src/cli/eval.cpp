@@ -39,6 +39,9 @@ int run_eval(const EvalOptions& o) {
   const ParallelState& parallel = layout.parallel;
   const hf::ParallelModel built = build_wrapped_model(choice, o.io.seed, layout, mp_policy);
   hf::CausalLM model = built.model;
+  // A quantized checkpoint is evaluated as its quantized model: weights dequantized by the
+  // loader, inputs fake-quantized with the checkpoint's input scales.
+  const auto quantizers = checkpoint_quantizers(choice, model);
   say("mdist eval: model " + choice.description);
   if (mp_policy) say("mdist eval: " + describe_mixed_precision(*mp_policy, model));
   say("mdist eval: " + tokenizer_line(choice));

@@ -122,6 +122,7 @@ int main(int argc, char** argv) {
   TrainOptions train;
   EvalOptions eval;
   CalibrateOptions calibrate;
+  QuantizeOptions quantize;
   GenerateOptions generate;
   TokenizeOptions tokenize;
   InfoOptions info;
@@ -135,6 +136,11 @@ int main(int argc, char** argv) {
       {"calibrate", "Abs-max calibration of every Linear's input and weight (for quantization)",
        [&](CLI::App& cmd) { declare_calibrate_flags(cmd, calibrate); },
        [&] { return calibrate.io.timeout_s; }, [&] { return run_calibrate(calibrate); }},
+      {"quantize",
+       "Post-training quantization (fp8, int8) with modelopt's presets: held-out loss before "
+       "and after, and the unified Hugging Face checkpoint",
+       [&](CLI::App& cmd) { declare_quantize_flags(cmd, quantize); },
+       [&] { return quantize.io.timeout_s; }, [&] { return run_quantize(quantize); }},
       {"generate", "Sample text from a prompt with a byte-level model",
        [&](CLI::App& cmd) { declare_generate_flags(cmd, generate); },
        [&] { return generate.timeout_s; }, [&] { return run_generate(generate); }},

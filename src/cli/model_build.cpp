@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "mdist/hf/pretrained.h"
+#include "mdist/quant/readback.h"
 #include "mdist/runtime/device.h"
 #include "mdist/runtime/runtime.h"
 #include "src/cli/session.h"
@@ -61,6 +62,12 @@ std::string describe_mixed_precision(const MixedPrecisionPolicy& policy, hf::Cau
          name(policy.param_dtype.value_or(at::kFloat)) + ", gradients reduced in " +
          name(policy.reduce_dtype.value_or(at::kFloat)) + ", weights (and AdamW state) in " +
          name(model->parameters().front().scalar_type()) + " (--param-dtype)";
+}
+
+std::unique_ptr<quant::ModelQuantizers> checkpoint_quantizers(const ModelChoice& choice,
+                                                              hf::CausalLM& model) {
+  if (!choice.dir || !choice.quantization) return nullptr;
+  return quant::apply_checkpoint_quantization(model, *choice.dir);
 }
 
 hf::ParallelModel build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,

@@ -2,12 +2,14 @@
 // Building the model a command runs on: loaded or seeded, split and sharded for the job's
 // layout through hf::apply_parallelism, with --param-dtype's mixed precision.
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "mdist/fsdp/fully_shard.h"
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/parallelize.h"
+#include "mdist/quant/quantize.h"
 #include "src/cli/job_layout.h"
 #include "src/cli/model_choice.h"
 
@@ -30,6 +32,13 @@ namespace mdist::cli {
 hf::ParallelModel build_wrapped_model(
     const ModelChoice& choice, std::uint64_t seed, const JobLayout& layout = JobLayout(),
     const std::optional<MixedPrecisionPolicy>& mp_policy = std::nullopt);
+
+// A quantized checkpoint (choice.quantization) read back as its quantized model: the loader
+// has dequantized its weights; this installs the input quantizers with the checkpoint's
+// input scales (quant::apply_checkpoint_quantization). Null for an unquantized model. The
+// model computes quantized for as long as the result lives.
+std::unique_ptr<quant::ModelQuantizers> checkpoint_quantizers(const ModelChoice& choice,
+                                                              hf::CausalLM& model);
 
 // --param-dtype (train, eval, calibrate, generate): nullopt for "" (the weights' own dtype);
 // for bf16 (or fp32) the policy torchtitan trains with: every unit all-gathers and computes in that

@@ -69,6 +69,7 @@ ModelChoice model_from_dir(const std::filesystem::path& given) {
   choice.dir = dir;
   try {
     choice.config = hf::LlamaConfig::from_file(config_path.string());
+    choice.quantization = hf::checkpoint_quantization(dir);
     // Opens and validates every safetensors file (and the index) up front.
     // and checks them against the config (names, full shapes, dtypes), as from_pretrained.
     const hf::SafetensorsCheckpoint weights(dir);
@@ -76,7 +77,9 @@ ModelChoice model_from_dir(const std::filesystem::path& given) {
   } catch (const Error& error) {
     throw InputError("model directory '" + dir.string() + "': " + error.what());
   }
-  choice.description = dir.string() + " (" + choice.config.architecture + ")";
+  choice.description =
+      dir.string() + " (" + choice.config.architecture +
+      (choice.quantization ? ", quantized " + choice.quantization->quant_algo : "") + ")";
   choice.tokenizer = tokenizer_of(dir, false);
   return choice;
 }
@@ -113,6 +116,14 @@ std::vector<std::filesystem::path> tokenizer_files(const ModelChoice& model) {
     if (std::filesystem::is_regular_file(*model.dir / name, ec)) files.push_back(*model.dir / name);
   }
   return files;
+}
+
+void check_not_quantized(const ModelChoice& model, const char* command) {
+  if (!model.quantization) return;
+  throw InputError("model directory '" + model.dir->string() +
+                   "' is already quantized (quant_algo " + model.quantization->quant_algo + " in " +
+                   model.quantization->source + "); " + command +
+                   " needs an unquantized checkpoint");
 }
 
 ModelChoice default_model() {

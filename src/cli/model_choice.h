@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "mdist/hf/causal_lm.h"
+#include "mdist/hf/quantized_checkpoint.h"
 #include "mdist/hf/tokenizer.h"
 
 namespace mdist::cli {
@@ -27,7 +28,15 @@ struct ModelChoice {
   // The directory's tokenizer.json (with tokenizer_config.json), if it has one: text data is
   // then tokenized with it, and generate encodes and decodes with it.
   std::shared_ptr<const hf::Tokenizer> tokenizer;
+  // A quantized checkpoint's format (config.json's quantization_config): eval and generate read
+  // it back as the quantized model (checkpoint_quantizers); train, calibrate and quantize
+  // refuse it (check_not_quantized).
+  std::optional<hf::CheckpointQuantization> quantization;
 };
+
+// InputError unless `model` is an unquantized checkpoint (or none): `command` works on the
+// model's own weights, which a quantized checkpoint no longer holds.
+void check_not_quantized(const ModelChoice& model, const char* command);
 
 // DIR's tokenizer (InputError naming the directory and the problem when tokenizer.json is
 // malformed or unsupported); null when DIR has no tokenizer.json, or an InputError when

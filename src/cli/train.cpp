@@ -187,6 +187,7 @@ TrainInputs check_inputs(const TrainOptions& o) {
     in.model = in.resume_from   ? model_from_dir(*in.resume_from)
                : o.io.model_dir ? model_from_dir(*o.io.model_dir)
                                 : default_model();
+    check_not_quantized(in.model, "train");
     check_tensor_parallel(o.io.tensor_parallel, in.model.config);
     check_expert_parallel(o.io.expert_parallel, o.io.tensor_parallel, in.model.config);
     in.data = load_checked_data(o.io, DataSplit::train, in.model, "train");

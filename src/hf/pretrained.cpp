@@ -17,6 +17,7 @@
 #include "mdist/fsdp/state_dict.h"
 #include "mdist/hf/expert_parallel.h"
 #include "mdist/hf/fsdp2_wrap.h"
+#include "mdist/hf/quantized_checkpoint.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
 #include "mdist/objects/collectives.h"
@@ -69,6 +70,14 @@ std::map<std::string, FusedParam> fused_params(const LlamaConfig& config,
 
 std::vector<std::string> check_checkpoint(const LlamaConfig& config,
                                           const SafetensorsCheckpoint& checkpoint) {
+  // A quantized checkpoint is read only in the formats whose weights this loader dequantizes.
+  if (const auto q = checkpoint_quantization(checkpoint.dir()); q && !is_readable(*q)) {
+    throw Error("quantized with quant_algo " + q->quant_algo +
+                (q->kv_cache_quant_algo ? " and kv_cache_quant_algo " + *q->kv_cache_quant_algo
+                                        : std::string()) +
+                " (" + q->source + "); reading back is implemented for " + kReadableQuantAlgos +
+                " without a KV-cache quantization only");
+  }
   // The model's own names and full shapes, from a model on the meta device (no memory).
   const CausalLM meta(config, c10::kMeta);
   const auto params = meta->named_parameters();
@@ -91,7 +100,8 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
                   shape_text(info.shape) + " from checkpoint, the shape in current model is " +
                   shape_text(item.value().sizes()));
     }
-    if (!c10::isFloatingType(info.dtype)) {
+    // A quantized Linear's weight (int8 or fp8 with its weight_scale) is read dequantized.
+    if (!c10::isFloatingType(info.dtype) && !detail::is_quantized_weight(checkpoint, name)) {
       throw Error("'" + name + "' is stored as " + dtype_name(info.dtype) +
                   "; only floating-point tensors convert to the model's " +
                   detail::dtype_name(item.value().scalar_type()) + " parameters");
@@ -104,6 +114,7 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
   }
   for (const auto& name : checkpoint.names()) {
     if (params.contains(name) || fused_keys.contains(name)) continue;
+    if (detail::is_quantization_scale(checkpoint, name)) continue;
     if (name == "lm_head.weight" && config.tie_word_embeddings) {
       // A tied model's head is its embedding: a listed copy must at least fit it.
       const auto& embed = params["model.embed_tokens.weight"];
@@ -331,7 +342,10 @@ CausalLM load_pretrained(const std::filesystem::path& dir) {
   const auto extra = checked_extra_keys(config, checkpoint, dir);
   std::map<std::string, at::Tensor> tensors;
   for (const auto& name : checkpoint.names()) {
-    if (!extra.contains(name)) tensors[name] = checkpoint.tensor(name);
+    if (extra.contains(name) || detail::is_quantization_scale(checkpoint, name)) continue;
+    tensors[name] = detail::is_quantized_weight(checkpoint, name)
+                        ? detail::dequantized_rows(checkpoint, name, 0, -1)
+                        : checkpoint.tensor(name);
   }
   load_state_dict(model, tensors);
   return model;
@@ -362,7 +376,9 @@ void load_sharded(torch::nn::Module& model, const TensorParallelPlan* plan,
   RowSource source;
   source.keys = [&] {
     std::vector<std::string> keys = checkpoint.names();
-    std::erase_if(keys, [&](const std::string& key) { return extra.contains(key); });
+    std::erase_if(keys, [&](const std::string& key) {
+      return extra.contains(key) || detail::is_quantization_scale(checkpoint, key);
+    });
     // A tied model's lm_head.weight is embed_tokens.weight: a listed copy is accepted and
     // ignored, as hf::load_state_dict does.
     if (!params.contains("lm_head.weight") && params.contains("model.embed_tokens.weight") &&
@@ -421,6 +437,9 @@ void load_sharded(torch::nn::Module& model, const TensorParallelPlan* plan,
                                             : checkpoint.read_rows(it->second.key, s.expert, 1)[0];
       const at::Tensor own = whole.slice(0, s.first_row, s.first_row + s.rows);
       return (rows < 0 ? own : own.slice(0, first_row, first_row + rows)).clone();
+    }
+    if (detail::is_quantized_weight(checkpoint, name)) {
+      return detail::dequantized_rows(checkpoint, name, first_row, rows);
     }
     if (rows < 0) return checkpoint.tensor(name);
     at::Tensor own = checkpoint.read_rows(name, first_row, rows);

@@ -248,4 +248,14 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
   write_files(model, tensors, *format, summarize_exclude_modules(unquantized, quantized), dir);
 }
 
+std::map<std::string, at::Tensor> whole_amax_state_dict(const ModelQuantizers& quantizers,
+                                                        const hf::Parallelism& parallelism) {
+  std::map<std::string, at::Tensor> amax = quantizers.amax_state_dict();
+  for (const auto& q : quantizers.linears()) {
+    if (!q->weight_quantizer->has_amax()) continue;
+    amax[q->name + ".weight_quantizer._amax"] = whole_weight_amax(*q, parallelism);
+  }
+  return amax;
+}
+
 }  // namespace mdist::quant

@@ -440,14 +440,15 @@ TEST_F(MdistCommand, InfoShowsVersionsBackendsRanksAndGroups) {
 }
 
 TEST_F(MdistCommand, HelpOnEverySubcommand) {
-  for (const std::string command : {"train", "eval", "calibrate", "generate", "info"}) {
+  for (const std::string command : {"train", "eval", "calibrate", "quantize", "generate", "info"}) {
     const auto r = mdist::testing::run({MDIST_CLI, command, "--help"});
     EXPECT_EQ(r.exit_code, 0) << command;
     EXPECT_THAT(r.out, HasSubstr("Usage: mdist " + command)) << r.out;
   }
   const auto top = mdist::testing::run({MDIST_CLI, "--help"});
   EXPECT_EQ(top.exit_code, 0);
-  for (const char* command : {"train", "eval", "calibrate", "generate", "tokenize", "info"}) {
+  for (const char* command :
+       {"train", "eval", "calibrate", "quantize", "generate", "tokenize", "info"}) {
     EXPECT_THAT(top.out, HasSubstr(command));
   }
   EXPECT_THAT(mdist::testing::run({MDIST_CLI, "train", "--help"}).out, HasSubstr("--global-batch"));
@@ -1358,8 +1359,10 @@ TEST_F(MdistChecks, UsageErrorsAreOneLineWithExitCodeTwo) {
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_THAT(
       r.err,
-      HasSubstr("[rank0]: mdist: error: unknown subcommand 'trian' (did you mean "
-                "'train'?); the subcommands are train, eval, calibrate, generate, tokenize, info"));
+      HasSubstr(
+          "[rank0]: mdist: error: unknown subcommand 'trian' (did you mean "
+          "'train'?); the subcommands are train, eval, calibrate, quantize, generate, tokenize, "
+          "info"));
   EXPECT_EQ(error_lines(r.err), 1) << r.err;
   r = mdist(2, {"train", "--no-such-flag"});
   EXPECT_EQ(r.exit_code, 2) << describe(r);

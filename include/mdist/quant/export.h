@@ -36,6 +36,9 @@
 // presets do not need: FP8 is excluded from it, and INT8's q/k/v and gate/up share one input
 // (so one input amax already) and keep per-row weight scales.
 #include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/parallelize.h"
@@ -47,6 +50,13 @@ namespace mdist::quant {
 void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers,
                           const std::filesystem::path& dir,
                           const hf::Parallelism& parallelism = hf::Parallelism());
+
+// amax_state_dict() of the whole model: under tensor parallelism a column-parallel per-row
+// weight amax (kept per shard by quantize) joined from the tensor-parallel group's rows, as the
+// export joins it; every other amax is whole already. Collective over the tensor-parallel group
+// (every rank calls it); the same result on every rank.
+std::map<std::string, at::Tensor> whole_amax_state_dict(
+    const ModelQuantizers& quantizers, const hf::Parallelism& parallelism = hf::Parallelism());
 
 // modelopt's `_prefix_wildcard_summarize_exclude_modules`: the unquantized module names
 // summarised by prefix wildcards at dot boundaries ("model.layers.0.mlp.gate*" or the pair

@@ -1,0 +1,56 @@
+#pragma once
+// Reading a quantized Hugging Face checkpoint in modelopt's unified format (what modelopt
+// 0.47's export_hf_checkpoint and mdist::quant::export_hf_checkpoint write) for the formats
+// whose weights are stored one value per element: FP8 (float8_e4m3fn weight, 0-d fp32
+// weight_scale) and W8A8_SQ_PER_CHANNEL (int8 weight, fp32 weight_scale per output row).
+//
+// At this layer a quantized weight is read back dequantized: W = weight.float() * weight_scale
+// (per row for int8), then converted to the model's dtype by the loader, as a serving engine
+// that computes in the model's dtype does. A quantized Linear's `weight_scale` and
+// `input_scale` are no model parameters: the loaders skip them without reporting them as
+// unknown keys. Applying the input scales (fake-quantizing activations) is the quantization
+// layer's part: mdist::quant::apply_checkpoint_quantization (mdist/quant/readback.h).
+//
+// Other quant_algo values (NVFP4, W4A16_AWQ, ...) and a KV-cache quantization are refused
+// (check_checkpoint throws naming them): their weights are packed or their scales apply where
+// this loader does not apply them, so loading them as plain weights would be wrong silently.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+namespace mdist::hf {
+
+class SafetensorsCheckpoint;
+
+// What a checkpoint directory says about its quantization: config.json's
+// `quantization_config` (quant_algo, kv_cache_quant_algo), else hf_quant_config.json's
+// `quantization`. nullopt for an ordinary checkpoint.
+struct CheckpointQuantization {
+  std::string quant_algo;                          // "FP8", "W8A8_SQ_PER_CHANNEL", ...
+  std::optional<std::string> kv_cache_quant_algo;  // null in the formats read here
+  std::string source;                              // "config.json" or "hf_quant_config.json"
+};
+// Throws Error for a malformed quantization entry (not an object, no quant_algo string).
+std::optional<CheckpointQuantization> checkpoint_quantization(const std::filesystem::path& dir);
+
+// Whether this loader reads `q` (FP8 or W8A8_SQ_PER_CHANNEL, no KV-cache algorithm); the
+// quant_algo values it reads, for messages.
+bool is_readable(const CheckpointQuantization& q);
+inline constexpr const char* kReadableQuantAlgos = "FP8, W8A8_SQ_PER_CHANNEL";
+
+namespace detail {
+
+// `name` (".weight") is stored as float8_e4m3fn or int8 with a `<module>.weight_scale` beside it.
+bool is_quantized_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name);
+// `name` is the weight_scale or input_scale of a module whose weight is quantized.
+bool is_quantization_scale(const SafetensorsCheckpoint& checkpoint, const std::string& name);
+// Rows [first_row, first_row + rows) of a quantized weight (all rows when rows < 0),
+// dequantized to fp32. Throws Error for a weight_scale that is neither one value nor one per row.
+at::Tensor dequantized_rows(const SafetensorsCheckpoint& checkpoint, const std::string& name,
+                            std::int64_t first_row, std::int64_t rows);
+
+}  // namespace detail
+}  // namespace mdist::hf

@@ -1,0 +1,37 @@
+#pragma once
+// Reading a quantized checkpoint back as the quantized model it describes (issue 28, item 6):
+// modelopt's unified HF export (FP8, W8A8_SQ_PER_CHANNEL), modelopt's own or
+// quant::export_hf_checkpoint's.
+//
+//   hf::ParallelModel built = hf::load_pretrained_fsdp2(dir, options);  // weights dequantized
+//   auto quantizers = mdist::quant::apply_checkpoint_quantization(built.model, dir);
+//   model->forward(ids);   // inputs fake-quantized with the checkpoint's input_scale
+//
+// The loaders (mdist/hf/quantized_checkpoint.h) already read every quantized weight
+// dequantized (weight x weight_scale): those values are exactly on the quantization grid, so
+// the weight quantizers stay disabled. What remains is the activations: every Linear with an
+// `input_scale` gets its input quantizer in the checkpoint's format (E4M3 for FP8, INT8 per
+// tensor for W8A8_SQ_PER_CHANNEL) with amax = input_scale x maxbound, frozen (no calibration;
+// quantize mode), through the same ModelQuantizers hooks quant::quantize installs. A Linear
+// without one (the exclude_modules: lm_head, routers) stays unquantized.
+//
+// The fake-quant loss of the model quant::quantize returned and that of its export read back
+// differ by the export's rounding: the export divides W by the scale where fake quant
+// multiplies by its reciprocal (a few codes one step apart), and amax / maxbound x maxbound is
+// not always amax again in fp32.
+#include <filesystem>
+#include <memory>
+
+#include "mdist/hf/causal_lm.h"
+#include "mdist/quant/quantize.h"
+
+namespace mdist::quant {
+
+// The input quantizers of the checkpoint in `dir` on `model` (loaded from it, plain, wrapped or
+// split alike: the input amax is one value per tensor), or null for a checkpoint without
+// quantization. Throws Error for a quant_algo other than FP8 and W8A8_SQ_PER_CHANNEL, for a
+// KV-cache quantization, and for an input_scale that is not one value. Not collective.
+std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& model,
+                                                               const std::filesystem::path& dir);
+
+}  // namespace mdist::quant

@@ -1,0 +1,412 @@
+// `mdist quantize`: post-training quantization of a Hugging Face checkpoint as modelopt 0.47's
+// hf_ptq does it (mtq.quantize with a preset, then export_hf_checkpoint), on the library's
+// mdist::quant: the model is loaded FSDP2-wrapped (and split with --tp) as `calibrate` loads
+// it, calibrated with max calibration on sequences split across the data-parallel ranks
+// (quant::quantize syncs the amaxes over data and tensor parallel), its held-out loss measured
+// before and after (the fake-quantized model), and the unified HF checkpoint written with
+// quant::export_hf_checkpoint, with the tokenizer files and a quantize.json report.
+//
+// Output. Every file is first written into a staging directory beside --out (each file
+// atomically, rank 0), then renamed into --out: a new --out appears whole; an existing one
+// keeps its other files and gets each of the export's files replaced whole. Bad input is
+// agreed on before anything is created.
+//
+// Not implemented yet (refused with one line, exit 2): the formats int8_sq, int4_awq,
+// w4a8_awq and nvfp4, --kv-cache, expert parallelism (--ep), --param-dtype, progress on a
+// terminal.
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mdist/io/atomic_file.h"
+#include "mdist/nn/hooks.h"
+#include "mdist/objects/collectives.h"
+#include "mdist/quant/export.h"
+#include "mdist/quant/quantize.h"
+#include "mdist/runtime/runtime.h"
+#include "mdist/train/evaluate.h"
+#include "mdist/train/forward_split.h"
+#include "src/cli/commands.h"
+#include "src/cli/job.h"
+
+namespace mdist::cli {
+namespace {
+
+using json = nlohmann::ordered_json;
+using Seconds = std::chrono::duration<double>;
+
+// --format: the presets quant::QuantConfig knows, with the quant_algo their export writes.
+const std::map<std::string, std::string>& implemented_formats() {
+  static const std::map<std::string, std::string> formats = {{"fp8", "FP8"},
+                                                             {"int8", "W8A8_SQ_PER_CHANNEL"}};
+  return formats;
+}
+
+// issue 28's other formats: named here so that they are refused as not implemented yet
+// rather than as unknown.
+const std::set<std::string>& planned_formats() {
+  static const std::set<std::string> formats = {"int8_sq", "int4_awq", "w4a8_awq", "nvfp4"};
+  return formats;
+}
+
+void check_format(const QuantizeOptions& o) {
+  if (o.format.empty()) {
+    throw InputError(
+        "--format is required: fp8 or int8 (modelopt's FP8_DEFAULT_CFG, INT8_DEFAULT_CFG)");
+  }
+  if (planned_formats().contains(o.format)) {
+    throw InputError("--format " + o.format +
+                     " is not implemented yet; the implemented formats are fp8 and int8");
+  }
+  if (!implemented_formats().contains(o.format)) {
+    throw InputError("unknown --format '" + o.format +
+                     "'; the formats are fp8 and int8 (int8_sq, int4_awq, w4a8_awq and nvfp4 are "
+                     "not implemented yet)");
+  }
+  if (!o.kv_cache.empty()) {
+    throw InputError("--kv-cache " + o.kv_cache +
+                     " is not implemented yet (no KV-cache quantizers in mdist::quant); leave it "
+                     "out to quantize the Linear layers only");
+  }
+}
+
+// --out: required; an existing path must be a writable directory (its content stays until the
+// export replaces the files it writes); a new one must be creatable (probed in its parent,
+// nothing is created in --out itself).
+void check_out(const QuantizeOptions& o) {
+  if (!o.out) throw InputError("--out DIR is required: the directory the export is written to");
+  std::error_code ec;
+  if (std::filesystem::exists(*o.out, ec)) {
+    if (!std::filesystem::is_directory(*o.out, ec)) {
+      throw InputError("--out '" + o.out->string() + "' exists and is not a directory");
+    }
+    check_writable_dir(*o.out, "--out directory");
+  } else {
+    check_writable_file(*o.out, "--out directory");
+  }
+}
+
+// What the checks found, agreed on by every rank.
+struct QuantizeInputs {
+  ModelChoice choice;
+  TokenStream calib;
+  TokenStream eval;
+};
+
+QuantizeInputs check_inputs(const QuantizeOptions& o) {
+  QuantizeInputs in;
+  agree_on_inputs([&] {
+    check_format(o);
+    check_out(o);
+    check_at_least(o.calib_sequences, 0, "--calib-sequences");
+    check_at_least(o.eval_sequences, 0, "--eval-sequences");
+    check_at_least(o.batch_size, 1, "--batch-size");
+    if (!o.io.param_dtype.empty()) {
+      throw InputError(
+          "--param-dtype is not supported by quantize: the model is calibrated and exported in "
+          "its weights' dtype");
+    }
+    if (o.io.expert_parallel != 1) {
+      throw InputError("--ep " + std::to_string(o.io.expert_parallel) +
+                       ": quantize does not support expert parallelism yet (mdist::quant refuses "
+                       "expert-parallel models)");
+    }
+    check_tensor_parallel_size(o.io.tensor_parallel);
+    // Before the model's own checks: a quantized checkpoint is named as such, whatever its
+    // quant_algo (the loader reads only some).
+    if (o.io.model_dir) {
+      try {
+        if (const auto q = hf::checkpoint_quantization(*o.io.model_dir)) {
+          throw InputError("model directory '" + o.io.model_dir->string() +
+                           "' is already quantized (quant_algo " + q->quant_algo + " in " +
+                           q->source + "); quantize needs an unquantized checkpoint");
+        }
+      } catch (const InputError&) {
+        throw;
+      } catch (const Error& error) {
+        throw InputError("model directory '" + o.io.model_dir->string() + "': " + error.what());
+      }
+    }
+    in.choice = model_for_inference(o.io.model_dir, o.default_run);
+    check_not_quantized(in.choice, "quantize");
+    check_tensor_parallel(o.io.tensor_parallel, in.choice.config);
+    in.calib = load_checked_data(o.io, DataSplit::train, in.choice, "quantize: calibration");
+    // The held-out data as `mdist eval` reads it with the same flags: the embedded corpus's
+    // eval split, or all of the file.
+    ModelDataOptions held_out = o.io;
+    if (o.eval_data) held_out.data = o.eval_data;
+    held_out.split = "auto";
+    in.eval = load_checked_data(held_out, DataSplit::eval, in.choice, "quantize: held-out");
+  });
+  return in;
+}
+
+// Tokens each routed expert received on this rank, counted where they are routed (the
+// Experts module's pre-hook), for as long as the counter lives.
+class ExpertTokens {
+ public:
+  explicit ExpertTokens(hf::CausalLM& model) {
+    for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+      auto* experts = dynamic_cast<hf::ExpertsImpl*>(item.value().get());
+      if (experts == nullptr) continue;
+      auto& counts = counts_[item.key()];
+      counts.assign(static_cast<std::size_t>(experts->num_experts), 0);
+      hooks_.push_back(nn::register_forward_pre_hook(
+          *experts, [&counts, experts](torch::nn::Module&, nn::TensorRefs& inputs) {
+            const at::Tensor n = at::bincount(inputs[1]->flatten().cpu(), {}, experts->num_experts);
+            for (int64_t e = 0; e < experts->num_experts; ++e) {
+              counts[static_cast<std::size_t>(e)] += n[e].item<int64_t>();
+            }
+          }));
+    }
+  }
+  ~ExpertTokens() {
+    for (auto& hook : hooks_) hook.remove();
+  }
+  ExpertTokens(const ExpertTokens&) = delete;
+  ExpertTokens& operator=(const ExpertTokens&) = delete;
+
+  // experts module -> tokens per expert, on this rank.
+  const std::map<std::string, std::vector<int64_t>>& counts() const { return counts_; }
+
+ private:
+  std::map<std::string, std::vector<int64_t>> counts_;
+  std::vector<nn::HookHandle> hooks_;
+};
+
+// The routed experts some data-parallel rank sent no calibration token ("MoE calibration
+// incomplete", as modelopt raises and `mdist calibrate` reports): an agreed InputError.
+// Stricter than modelopt on several ranks: FSDP2 gathers an expert's weight only inside its
+// forward, so its weight amax is taken there, on every rank; an expert a rank never ran has
+// no weight amax on that rank (quant::quantize refuses it), so it is refused here first, by
+// every rank alike.
+void check_experts_reached(const ExpertTokens& tokens, const JobLayout& layout) {
+  const DistributedProcessGroup& dp = layout.parallel.data_parallel_group;
+  const auto per_rank =
+      dp.is_initialized() ? allgather(tokens.counts(), dp.group()) : std::vector{tokens.counts()};
+  agree_on_inputs([&] {
+    std::vector<std::string> missing;
+    for (const auto& [module, counts] : tokens.counts()) {
+      for (std::size_t e = 0; e < counts.size(); ++e) {
+        std::vector<int> without;
+        for (std::size_t r = 0; r < per_rank.size(); ++r) {
+          if (per_rank[r].at(module)[e] == 0) without.push_back(static_cast<int>(r));
+        }
+        if (without.empty()) continue;
+        std::string ranks;
+        for (const int r : without) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+        missing.push_back(module + "." + std::to_string(e) +
+                          (without.size() == per_rank.size()
+                               ? " (no tokens on any rank)"
+                               : " (no tokens on rank(s) " + ranks + ")"));
+      }
+    }
+    if (missing.empty()) return;
+    std::string shown;
+    for (std::size_t i = 0; i < std::min<std::size_t>(3, missing.size()); ++i) {
+      shown += (i ? "; " : "") + missing[i];
+    }
+    if (missing.size() > 3) shown += " and " + std::to_string(missing.size() - 3) + " more";
+    throw InputError("MoE calibration incomplete: " + std::to_string(missing.size()) +
+                     " expert(s) received no calibration tokens on some or all data-parallel "
+                     "ranks: " +
+                     shown + "; increase the calibration data (--data, --calib-sequences)");
+  });
+}
+
+double held_out(hf::CausalLM& model, const hf::ParallelModel& built, const Windows& windows,
+                const TokenStream& data, const QuantizeOptions& o, const JobLayout& layout,
+                int64_t& tokens) {
+  const train::HeldOutLoss loss =
+      train::held_out_loss(model, built.parallelism, sequence_source(windows, data.description),
+                           layout.parallel, o.batch_size, o.eval_sequences);
+  tokens = loss.tokens;
+  return loss.mean();
+}
+
+json amax_json(const at::Tensor& amax) {
+  const at::Tensor values = amax.detach().to(at::kCPU, at::kDouble).contiguous();
+  if (values.numel() == 1) return values.item<double>();
+  return std::vector<double>(values.data_ptr<double>(), values.data_ptr<double>() + values.numel());
+}
+
+// module -> {"input_amax", "weight_amax"} (a number, or one per output row).
+json modules_json(const std::map<std::string, at::Tensor>& amax) {
+  json modules = json::object();
+  for (const auto& [key, value] : amax) {
+    // key: <module>.<input|weight>_quantizer._amax
+    const std::string quantizer = key.substr(0, key.size() - std::string("._amax").size());
+    const std::string module = quantizer.substr(0, quantizer.rfind('.'));
+    const std::string role = quantizer.ends_with(".input_quantizer") ? "input_amax" : "weight_amax";
+    modules[module][role] = amax_json(value);
+  }
+  return modules;
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (!in) throw Error("mdist quantize: cannot read " + path.string());
+  return text.str();
+}
+
+// The staging directory beside --out (the same on every rank; a leftover of an interrupted
+// run is ours by its name and replaced).
+std::filesystem::path staging_dir(const std::filesystem::path& out) {
+  const std::filesystem::path absolute = std::filesystem::absolute(out).lexically_normal();
+  const std::filesystem::path parent =
+      absolute.has_filename() ? absolute.parent_path() : absolute.parent_path().parent_path();
+  const std::string name =
+      (absolute.has_filename() ? absolute.filename() : absolute.parent_path().filename()).string();
+  return parent / ("." + name + ".mdist-quantize-partial");
+}
+
+// Rank 0: the staged files into --out, each by a rename (whole or not at all).
+void publish(const std::filesystem::path& staging, const std::filesystem::path& out) {
+  if (!std::filesystem::exists(out)) {
+    std::filesystem::rename(staging, out);
+    io::sync_directory(std::filesystem::absolute(out).parent_path());
+    return;
+  }
+  // An index of sharded safetensors left in --out would shadow the export's single file
+  // (loaders prefer the index): it goes, the shards it names are left.
+  if (!std::filesystem::exists(staging / "model.safetensors.index.json")) {
+    std::filesystem::remove(out / "model.safetensors.index.json");
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(staging)) {
+    std::filesystem::rename(entry.path(), out / entry.path().filename());
+  }
+  std::filesystem::remove_all(staging);
+  io::sync_directory(out);
+}
+
+}  // namespace
+
+int run_quantize(const QuantizeOptions& o) {
+  const Session session(setup_options(o.io.timeout_s));
+  configure_threads();
+  const QuantizeInputs in = check_inputs(o);
+  const Windows calib_windows(in.calib, o.io.seq_len, "quantize: calibration");
+  const Windows eval_windows(in.eval, o.io.seq_len, "quantize: held-out");
+  const JobLayout layout = make_layout(o.io.tensor_parallel);
+  const auto start = std::chrono::steady_clock::now();
+  auto lap = start;
+  const auto seconds_since = [](auto& since) {
+    const auto now = std::chrono::steady_clock::now();
+    const double s = Seconds(now - since).count();
+    since = now;
+    return s;
+  };
+  const hf::ParallelModel built = build_wrapped_model(in.choice, o.io.seed, layout);
+  hf::CausalLM model = built.model;
+  model->eval();
+  const torch::NoGradGuard no_grad;
+  const c10::Device device = compute_device();
+  const double load_s = seconds_since(lap);
+  const int64_t calib_total = o.calib_sequences > 0
+                                  ? std::min(o.calib_sequences, calib_windows.count())
+                                  : calib_windows.count();
+  const quant::QuantConfig config = quant::QuantConfig::preset(o.format);
+  say("mdist quantize: model " + in.choice.description);
+  say("mdist quantize: " + tokenizer_line(in.choice));
+  say("mdist quantize: format " + o.format + " (quant_algo " + implemented_formats().at(o.format) +
+      "), max calibration on " + std::to_string(calib_total) + " sequences of " +
+      std::to_string(o.io.seq_len) + " tokens from " + in.calib.description + ", " +
+      describe_layout(layout));
+
+  int64_t eval_tokens = 0;
+  const double loss_before = held_out(model, built, eval_windows, in.eval, o, layout, eval_tokens);
+  const double eval_before_s = seconds_since(lap);
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "mdist quantize: held-out loss before quantization %.6f nats/token (%lld tokens "
+                "of %s)",
+                loss_before, static_cast<long long>(eval_tokens), in.eval.description.c_str());
+  say(line);
+
+  std::unique_ptr<quant::ModelQuantizers> quantizers;
+  {
+    ExpertTokens expert_tokens(model);
+    // One sequence per forward, as `calibrate`: a sequence's activations are computed the same
+    // way whatever the number of ranks, so the amaxes (and the export) are equal bit for bit
+    // across data-parallel layouts. A rank with no sequence left runs the first one again so
+    // that every rank runs the same forwards (FSDP2's collectives): max calibration over the
+    // data-parallel group already includes that sequence, so the synced amax is unchanged.
+    const quant::ForwardLoop loop = [&](hf::CausalLM& m) {
+      const Group dp = layout.parallel.data_parallel_group.group();
+      const auto plan = train::plan_forwards(calib_total, mdist::size(dp), mdist::rank(dp), 1);
+      for (int64_t round = 0; round < plan.rounds; ++round) {
+        const bool real = round < static_cast<int64_t>(plan.windows.size());
+        m->forward(
+            batch_of(calib_windows, {real ? plan.windows[static_cast<std::size_t>(round)] : 0})
+                .to(device));
+      }
+      check_experts_reached(expert_tokens, layout);
+    };
+    quantizers = quant::quantize(model, config, loop,
+                                 {.parallel = layout.parallel, .parallelism = built.parallelism});
+  }
+  const double calibrate_s = seconds_since(lap);
+  const double loss_after = held_out(model, built, eval_windows, in.eval, o, layout, eval_tokens);
+  const double eval_after_s = seconds_since(lap);
+  std::snprintf(line, sizeof(line),
+                "mdist quantize: held-out loss after quantization %.6f nats/token (fake-quantized "
+                "%s; %+.6f)",
+                loss_after, o.format.c_str(), loss_after - loss_before);
+  say(line);
+
+  const auto amax = quant::whole_amax_state_dict(*quantizers, built.parallelism);
+  const std::filesystem::path staging = staging_dir(*o.out);
+  if (rank() == 0) std::filesystem::remove_all(staging);
+  barrier();
+  quant::export_hf_checkpoint(model, *quantizers, staging, built.parallelism);
+  const double export_s = seconds_since(lap);
+  if (rank() == 0) {
+    for (const auto& file : tokenizer_files(in.choice)) {
+      io::write_file_atomically(staging / file.filename(), read_file(file));
+    }
+    const int tp = layout.tensor_parallel();
+    const json report = {{"format", "mdist.quantize.v1"},
+                         {"quant_format", o.format},
+                         {"quant_algo", implemented_formats().at(o.format)},
+                         {"calibration", "max"},
+                         {"model", in.choice.description},
+                         {"calibration_data", in.calib.description},
+                         {"calibration_sequences", calib_total},
+                         {"seq_len", o.io.seq_len},
+                         {"held_out_data", in.eval.description},
+                         {"held_out_tokens", eval_tokens},
+                         {"loss_before", loss_before},
+                         {"loss_after", loss_after},
+                         {"layout",
+                          {{"world", mdist::size()},
+                           {"data_parallel", mdist::size() / tp},
+                           {"tensor_parallel", tp},
+                           {"description", describe_layout(layout)}}},
+                         {"seconds",
+                          {{"load", load_s},
+                           {"held_out_before", eval_before_s},
+                           {"calibrate", calibrate_s},
+                           {"held_out_after", eval_after_s},
+                           {"export", export_s},
+                           {"total", Seconds(std::chrono::steady_clock::now() - start).count()}}},
+                         {"modules", modules_json(amax)}};
+    io::write_file_atomically(staging / "quantize.json", report.dump(2) + "\n");
+    publish(staging, *o.out);
+    say("mdist quantize: wrote " + o.out->string() + " (unified HF checkpoint, quantize.json)");
+  }
+  barrier();
+  return 0;
+}
+
+}  // namespace mdist::cli

@@ -1,0 +1,38 @@
+// See src/cli/quantize_options.h.
+#include "src/cli/quantize_options.h"
+
+#include <CLI/CLI.hpp>
+
+namespace mdist::cli {
+
+void declare_quantize_flags(CLI::App& app, QuantizeOptions& o) {
+  declare_model_data_flags(app, o.io);
+  // Not CLI11's ->required(): a missing --format or --out is reported by the command itself,
+  // as its other bad input (one line naming what is expected).
+  app.add_option("--format", o.format,
+                 "Quantization format, as modelopt's presets: fp8 (FP8_DEFAULT_CFG, quant_algo "
+                 "FP8) or int8 (INT8_DEFAULT_CFG, W8A8_SQ_PER_CHANNEL); int8_sq, int4_awq, "
+                 "w4a8_awq and nvfp4 are not implemented yet")
+      ->type_name("NAME");
+  app.add_option("--kv-cache", o.kv_cache, "KV-cache quantization (fp8): not implemented yet")
+      ->type_name("FORMAT");
+  app.add_option("--calib-sequences", o.calib_sequences,
+                 "Calibration sequences of --seq-len tokens from --data, split across the "
+                 "data-parallel ranks (0: all)")
+      ->capture_default_str();
+  app.add_option("--eval-data", o.eval_data,
+                 "Held-out data for the loss before and after quantization (default: what "
+                 "`mdist eval` reads: the embedded corpus's eval split, or all of --data)")
+      ->type_name("FILE");
+  app.add_option("--eval-sequences", o.eval_sequences, "Held-out sequences (0: all)")
+      ->capture_default_str();
+  app.add_option("--batch-size", o.batch_size, "Held-out sequences per forward on each rank")
+      ->capture_default_str();
+  app.add_option("--out", o.out,
+                 "Directory of the export (unified Hugging Face checkpoint) and quantize.json")
+      ->type_name("DIR");
+  app.footer(
+      "\nWithout --model: the latest checkpoint of runs/default, else the seeded default model.");
+}
+
+}  // namespace mdist::cli

@@ -1,0 +1,28 @@
+#pragma once
+// `mdist quantize`'s options: each flag's default (here), its name and help
+// (declare_quantize_flags).
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "src/cli/flags.h"
+
+namespace mdist::cli {
+
+struct QuantizeOptions {
+  // --model, --data (calibration), --seq-len, --tp, ... as calibrate takes them.
+  ModelDataOptions io;
+  std::string format;                              // --format: fp8 | int8 (required)
+  std::string kv_cache;                            // --kv-cache: refused (not implemented yet)
+  std::int64_t calib_sequences = 64;               // 0: all windows of the calibration data
+  std::optional<std::filesystem::path> eval_data;  // held-out data (default: as `mdist eval`)
+  std::int64_t eval_sequences = 0;                 // 0: all held-out windows
+  std::int64_t batch_size = 8;                     // held-out sequences per forward on each rank
+  std::optional<std::filesystem::path> out;        // the export's directory (required)
+  std::filesystem::path default_run = "runs/default";
+};
+
+void declare_quantize_flags(CLI::App& app, QuantizeOptions& options);
+
+}  // namespace mdist::cli

@@ -1,0 +1,50 @@
+// quant::apply_checkpoint_quantization: see include/mdist/quant/readback.h.
+#include "mdist/quant/readback.h"
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "mdist/error.h"
+#include "mdist/hf/quantized_checkpoint.h"
+#include "mdist/hf/safetensors.h"
+
+namespace mdist::quant {
+
+std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& model,
+                                                               const std::filesystem::path& dir) {
+  const auto quantization = hf::checkpoint_quantization(dir);
+  if (!quantization) return nullptr;
+  if (!hf::is_readable(*quantization)) {
+    throw Error("mdist::quant: checkpoint '" + dir.string() + "' is quantized with quant_algo " +
+                quantization->quant_algo + "; reading back is implemented for " +
+                hf::kReadableQuantAlgos + " without a KV-cache quantization only");
+  }
+  // The preset whose input format the checkpoint's quant_algo names: only the input
+  // quantizers are used, and only where the checkpoint has an input_scale.
+  const QuantConfig config =
+      QuantConfig::preset(quantization->quant_algo == "FP8" ? "fp8" : "int8");
+  auto quantizers = std::make_unique<ModelQuantizers>(model, config);
+  const hf::SafetensorsCheckpoint checkpoint(dir);
+  const c10::Device device = model->parameters().front().device();
+  for (const auto& q : quantizers->linears()) {
+    q->weight_quantizer->set_mode(TensorQuantizerImpl::Mode::disabled);
+    const std::string key = q->name + ".input_scale";
+    if (!checkpoint.contains(key) || !hf::detail::is_quantization_scale(checkpoint, key)) {
+      q->input_quantizer->set_mode(TensorQuantizerImpl::Mode::disabled);
+      continue;
+    }
+    const at::Tensor scale = checkpoint.tensor(key).to(at::kFloat);
+    if (scale.numel() != 1) {
+      throw Error("mdist::quant: checkpoint '" + dir.string() + "': " + key + " has " +
+                  std::to_string(scale.numel()) + " values; one per tensor is read back");
+    }
+    TensorQuantizer& input = q->input_quantizer;
+    // fp32, on the device the model computes on (the fake quant meets its inputs there).
+    input->set_amax((scale.reshape({}) * input->format().maxbound()).to(device));
+    input->set_mode(TensorQuantizerImpl::Mode::quantize);
+  }
+  return quantizers;
+}
+
+}  // namespace mdist::quant

@@ -1,0 +1,337 @@
+// `mdist quantize` end to end through mdistrun, against modelopt 0.47's own results on the PTQ
+// fixtures of tests/quant/make_ptq_fixtures.py (mtq.quantize on 3 batches of [2, 16] tokens,
+// the quantized loss on a held-out batch, export_hf_checkpoint): the calibration batches are
+// written as a token file of 6 sequences of 16 tokens, the held-out batch as another, so that
+// the command calibrates on modelopt's data and measures on its held-out batch.
+//  - the loss before and after quantization (quantize.json) against modelopt's;
+//  - the export against modelopt's export, tensor by tensor, and across layouts (1 and 2
+//    data-parallel ranks byte for byte; tp 2 within ptq_dist_test's bounds);
+//  - `mdist eval` of the export (mdist's and modelopt's): the quantized model's loss;
+//  - bad input: one line, exit 2, nothing written.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mdist/hf/safetensors.h"
+#include "tests/cli/mdist_command.h"
+
+namespace mdist::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+fs::path fixture(const std::string& arch) {
+  return fs::path(MDIST_QUANT_FIXTURES) / ("ptq_" + arch);
+}
+
+double relative(double actual, double expected) {
+  return std::abs(actual - expected) / std::abs(expected);
+}
+
+nlohmann::json json_file(const fs::path& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+// "loss X nats/token" of `mdist eval`'s output.
+double eval_loss(const std::string& out) {
+  const auto at = out.find("mdist eval: loss ");
+  EXPECT_NE(at, std::string::npos) << out;
+  return at == std::string::npos ? NAN
+                                 : std::stod(out.substr(at + std::strlen("mdist eval: loss ")));
+}
+
+// The lines of a job's stderr that report an error (the launcher adds its own summary of which
+// rank failed, without one).
+int error_lines(const std::string& err) {
+  std::istringstream lines(err);
+  int errors = 0;
+  for (std::string line; std::getline(lines, line);) {
+    errors += line.find(": error: ") != std::string::npos;
+  }
+  return errors;
+}
+
+class QuantizeCommand : public MdistCommand {
+ protected:
+  // The fixture's tokens `name` ("calib" [batches, rows, T] or "eval_ids" [rows, T]) as a .u32
+  // file, rows in forward order.
+  fs::path tokens(const std::string& arch, const std::string& name) {
+    const hf::SafetensorsFile file(fixture(arch) / "expected.safetensors");
+    const at::Tensor ids = file.tensor(name).to(at::kInt).contiguous().flatten();
+    const fs::path path = dir_ / (arch + "-" + name + ".u32");
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(ids.data_ptr<int32_t>()),
+              static_cast<std::streamsize>(ids.numel() * sizeof(int32_t)));
+    return path;
+  }
+
+  double expected(const std::string& arch, const std::string& name) {
+    const hf::SafetensorsFile file(fixture(arch) / "expected.safetensors");
+    return file.tensor(name).item<double>();
+  }
+
+  // mdist quantize on modelopt's calibration and held-out data; the out directory.
+  fs::path quantize(const std::string& arch, const std::string& format, int ranks,
+                    const std::vector<std::string>& more = {}) {
+    const fs::path out = dir_ / (arch + "-" + format + "-" + std::to_string(ranks) + "ranks" +
+                                 (more.empty() ? "" : "-" + more.back()));
+    const auto r = mdist(ranks, with({"quantize", "--model", fixture(arch).string(), "--format",
+                                      format, "--data", tokens(arch, "calib").string(),
+                                      "--eval-data", tokens(arch, "eval_ids").string(), "--seq-len",
+                                      "16", "--calib-sequences", "0", "--out", out.string()},
+                                     more));
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_THAT(r.out, HasSubstr("mdist quantize: held-out loss after quantization"));
+    return out;
+  }
+
+  static nlohmann::json report(const fs::path& out) {
+    return nlohmann::json::parse(read(out / "quantize.json"));
+  }
+};
+
+// Every tensor of `actual`'s model.safetensors byte for byte as `expected`'s, except
+// input_scale tensors, which are within `input_scale_bound` relative (0: also byte for byte).
+// The number of input scales that differ at all.
+int compare_exports(const fs::path& actual, const fs::path& expected, double input_scale_bound) {
+  const hf::SafetensorsFile a(actual / "model.safetensors"), e(expected / "model.safetensors");
+  EXPECT_EQ(a.names(), e.names());
+  int differing = 0;
+  for (const auto& name : e.names()) {
+    if (!a.contains(name)) continue;
+    const at::Tensor x = a.tensor(name), y = e.tensor(name);
+    EXPECT_EQ(x.scalar_type(), y.scalar_type()) << name;
+    EXPECT_EQ(x.sizes(), y.sizes()) << name;
+    if (x.scalar_type() != y.scalar_type() || x.sizes() != y.sizes()) continue;
+    const bool same =
+        x.numel() == 0 || std::memcmp(x.contiguous().data_ptr(), y.contiguous().data_ptr(),
+                                      static_cast<std::size_t>(x.nbytes())) == 0;
+    if (same) continue;
+    if (name.ends_with(".input_scale") && input_scale_bound > 0) {
+      ++differing;
+      EXPECT_LE(relative(x.item<double>(), y.item<double>()), input_scale_bound) << name;
+    } else {
+      ADD_FAILURE() << name << " differs from " << expected;
+    }
+  }
+  return differing;
+}
+
+// The quantization entries of two exports as JSON, the producer's version aside.
+void expect_same_quant_config(const fs::path& actual, const fs::path& expected) {
+  auto a = json_file(actual / "hf_quant_config.json");
+  auto e = json_file(expected / "hf_quant_config.json");
+  a.erase("producer");
+  e.erase("producer");
+  EXPECT_EQ(a, e);
+  auto ac = json_file(actual / "config.json")["quantization_config"];
+  auto ec = json_file(expected / "config.json")["quantization_config"];
+  ac.erase("producer");
+  ec.erase("producer");
+  EXPECT_EQ(ac, ec);
+}
+
+// One rank: the losses equal modelopt's, the export equals modelopt's export, and `mdist eval`
+// of either export gives the quantized model's loss.
+TEST_F(QuantizeCommand, MatchesModeloptAndEvalReadsTheExportBack) {
+  for (const std::string arch : {"llama", "qwen3"}) {
+    for (const std::string format : {"fp8", "int8"}) {
+      SCOPED_TRACE(arch + " " + format);
+      const fs::path out = quantize(arch, format, 1);
+      const fs::path modelopt = fixture(arch) / ("export_" + format);
+      const auto json = report(out);
+      EXPECT_EQ(json["quant_algo"], format == "fp8" ? "FP8" : "W8A8_SQ_PER_CHANNEL");
+      EXPECT_EQ(json["calibration_sequences"], 6);
+      EXPECT_LE(relative(json["loss_before"].get<double>(), expected(arch, "loss")), 1e-6);
+      EXPECT_LE(relative(json["loss_after"].get<double>(), expected(arch, format + ".loss")), 1e-6);
+      EXPECT_TRUE(json["modules"]["model.layers.0.mlp.up_proj"].contains("input_amax"));
+      // One sequence per forward here, two per batch in modelopt's loop: the same maxima.
+      EXPECT_EQ(compare_exports(out, modelopt, 0), 0);
+      expect_same_quant_config(out, modelopt);
+
+      // The export read back: the fake-quant loss within the export's rounding, and the same
+      // number from modelopt's own export.
+      const fs::path eval_data = tokens(arch, "eval_ids");
+      const auto mine = mdist(
+          1, {"eval", "--model", out.string(), "--data", eval_data.string(), "--seq-len", "16"});
+      ASSERT_EQ(mine.exit_code, 0) << describe(mine);
+      EXPECT_THAT(mine.err, Not(HasSubstr("ignoring")));
+      const auto theirs = mdist(1, {"eval", "--model", modelopt.string(), "--data",
+                                    eval_data.string(), "--seq-len", "16"});
+      ASSERT_EQ(theirs.exit_code, 0) << describe(theirs);
+      const double after = json["loss_after"].get<double>();
+      const double before = json["loss_before"].get<double>();
+      const double read_back = eval_loss(mine.out);
+      std::cout << "[ measured ] " << arch << " " << format << ": eval of the export " << read_back
+                << ", fake-quant loss " << after << ", unquantized " << before << ", gap "
+                << relative(read_back, after) << " relative" << std::endl;
+      EXPECT_DOUBLE_EQ(read_back, eval_loss(theirs.out));
+      // The export's rounding (a few weight codes one step apart) moves the loss far less than
+      // quantization itself does: the read-back model is the quantized one, not the original.
+      EXPECT_LE(std::abs(read_back - after), 0.1 * std::abs(before - after));
+      EXPECT_LE(relative(read_back, after), 1e-6);
+    }
+  }
+}
+
+// Data parallel 2 (plain and with a rank that pads): byte for byte as one rank (each sequence
+// is its own forward, the max over ranks is the max over sequences). Tensor parallel 2: the
+// activation amaxes come from split sums, ptq_dist_test's bounds.
+TEST_F(QuantizeCommand, LayoutsGiveOneRanksExport) {
+  for (const std::string format : {"fp8", "int8"}) {
+    SCOPED_TRACE(format);
+    const fs::path one = quantize("qwen3", format, 1);
+    const fs::path dp = quantize("qwen3", format, 2);
+    EXPECT_EQ(compare_exports(dp, one, 0), 0);
+    EXPECT_EQ(report(dp)["layout"]["data_parallel"], 2);
+    EXPECT_DOUBLE_EQ(report(dp)["loss_after"].get<double>(),
+                     report(one)["loss_after"].get<double>());
+    const fs::path tp = quantize("qwen3", format, 2, {"--tp", "2"});
+    const int differing = compare_exports(tp, one, 1e-6);
+    std::cout << "[ measured ] qwen3 " << format << " tp 2: " << differing
+              << " input scales differ from one rank's" << std::endl;
+    EXPECT_LE(
+        relative(report(tp)["loss_after"].get<double>(), report(one)["loss_after"].get<double>()),
+        1e-5);
+  }
+}
+
+// Bad input: one line from rank 0, exit code 2, nothing written to --out (an existing --out
+// keeps its content).
+TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
+  const std::string model = fixture("llama").string();
+  const std::string calib = tokens("llama", "calib").string();
+  const fs::path out = dir_ / "out";
+  fs::create_directories(out);
+  std::ofstream(out / "earlier.txt") << "kept\n";
+  const fs::path short_data = dir_ / "short.u32";
+  {
+    const std::int32_t ids[4] = {1, 2, 3, 4};
+    std::ofstream(short_data, std::ios::binary)
+        .write(reinterpret_cast<const char*>(ids), sizeof(ids));
+  }
+  const auto base = [&](const std::vector<std::string>& more) {
+    return with({"quantize", "--model", model, "--data", calib, "--seq-len", "16"}, more);
+  };
+  const fs::path fp8_export = fixture("llama") / "export_fp8";
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {base({"--format", "fp4", "--out", out.string()}), "unknown --format 'fp4'"},
+      {base({"--format", "nvfp4", "--out", out.string()}), "--format nvfp4 is not implemented yet"},
+      {base({"--format", "int4_awq", "--out", out.string()}),
+       "--format int4_awq is not implemented yet"},
+      {base({"--format", "fp8", "--kv-cache", "fp8", "--out", out.string()}),
+       "--kv-cache fp8 is not implemented yet"},
+      {base({"--format", "fp8", "--ep", "2", "--out", out.string()}),
+       "quantize does not support expert parallelism yet"},
+      {base({"--format", "fp8"}), "--out DIR is required"},
+      {std::vector<std::string>{"quantize", "--model", model, "--data", short_data.string(),
+                                "--seq-len", "16", "--format", "fp8", "--out", out.string()},
+       "is shorter than one sequence of 16 tokens"},
+      {std::vector<std::string>{"quantize", "--model", fp8_export.string(), "--data", calib,
+                                "--seq-len", "16", "--format", "fp8", "--out", out.string()},
+       "is already quantized (quant_algo FP8"},
+  };
+  const auto before = tree(dir_);
+  for (const auto& c : cases) {
+    for (const int ranks : {1, 2}) {
+      SCOPED_TRACE(c.message + " on " + std::to_string(ranks) + " rank(s)");
+      const auto r = mdist(ranks, c.args);
+      EXPECT_EQ(r.exit_code, 2) << describe(r);
+      // One line, from rank 0 only.
+      EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist quantize: error: ")) << describe(r);
+      EXPECT_THAT(r.err, HasSubstr(c.message)) << describe(r);
+      EXPECT_EQ(error_lines(r.err), 1) << r.err;
+      EXPECT_EQ(tree(dir_), before);
+      EXPECT_EQ(read(out / "earlier.txt"), "kept\n");
+    }
+  }
+  // --out missing entirely: nothing created.
+  const fs::path fresh = dir_ / "fresh";
+  const auto r = mdist(1, base({"--format", "fp9", "--out", fresh.string()}));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_FALSE(fs::exists(fresh));
+}
+
+// A checkpoint quantized in a format the loader does not read back (its weights packed, its
+// scales elsewhere) is refused naming it, never loaded as plain weights.
+TEST_F(QuantizeCommand, EvalRefusesQuantAlgosItCannotReadBack) {
+  for (const std::string algo : {"NVFP4", "W4A16_AWQ"}) {
+    const fs::path copy = dir_ / algo;
+    fs::copy(fixture("llama") / "export_fp8", copy);
+    auto config = json_file(copy / "config.json");
+    config["quantization_config"]["quant_algo"] = algo;
+    std::ofstream(copy / "config.json") << config.dump(2);
+    const auto r = mdist(1, {"eval", "--model", copy.string(), "--data",
+                             tokens("llama", "eval_ids").string(), "--seq-len", "16"});
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("quantized with quant_algo " + algo));
+    EXPECT_EQ(error_lines(r.err), 1) << r.err;
+  }
+  // A KV-cache quantization is not applied on reading either.
+  const fs::path kv = dir_ / "kv";
+  fs::copy(fixture("llama") / "export_fp8", kv);
+  auto config = json_file(kv / "config.json");
+  config["quantization_config"]["kv_cache_quant_algo"] = "FP8";
+  std::ofstream(kv / "config.json") << config.dump(2);
+  const auto r = mdist(1, {"eval", "--model", kv.string(), "--data",
+                           tokens("llama", "eval_ids").string(), "--seq-len", "16"});
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("kv_cache_quant_algo FP8"));
+}
+
+// train and calibrate work on a model's own weights, which a quantized checkpoint no longer
+// holds: refused, one line, exit 2.
+TEST_F(QuantizeCommand, TrainAndCalibrateRefuseAQuantizedCheckpoint) {
+  const std::string model = (fixture("llama") / "export_int8").string();
+  const std::string data = tokens("llama", "calib").string();
+  for (const std::string command : {"train", "calibrate"}) {
+    const fs::path out = dir_ / (command + "-out");
+    const auto r = mdist(
+        1, {command, "--model", model, "--data", data, "--seq-len", "16", "--out", out.string()});
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("is already quantized (quant_algo W8A8_SQ_PER_CHANNEL"));
+    EXPECT_THAT(r.err, HasSubstr(command + " needs an unquantized checkpoint"));
+    EXPECT_EQ(error_lines(r.err), 1) << r.err;
+    EXPECT_FALSE(fs::exists(out));
+  }
+}
+
+// A routed expert that no calibration token reached: modelopt's "MoE calibration incomplete",
+// one line, nothing written.
+TEST_F(QuantizeCommand, ExpertWithoutCalibrationTokensIsRefused) {
+  // 64 experts, top-1, a few tokens: most experts get none.
+  const fs::path model = qwen3_moe_model("moe", 64, 0.0, 1);
+  const fs::path data = dir_ / "few.u32";
+  {
+    std::vector<std::int32_t> ids(16);
+    for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>(i % 7);
+    std::ofstream(data, std::ios::binary)
+        .write(reinterpret_cast<const char*>(ids.data()),
+               static_cast<std::streamsize>(ids.size() * sizeof(std::int32_t)));
+  }
+  const fs::path out = dir_ / "moe-out";
+  const auto before = tree(dir_);
+  const auto r = mdist(1, {"quantize", "--model", model.string(), "--data", data.string(),
+                           "--seq-len", "16", "--format", "fp8", "--out", out.string()});
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("mdist quantize: error: MoE calibration incomplete"));
+  EXPECT_EQ(error_lines(r.err), 1) << r.err;
+  EXPECT_EQ(tree(dir_), before);
+}
+
+}  // namespace
+}  // namespace mdist::testing
