@@ -2,6 +2,7 @@
 #include "mdist/hf/causal_lm.h"
 
 #include <cmath>
+#include <map>
 #include <numbers>
 #include <optional>
 #include <sstream>
@@ -37,11 +38,6 @@ torch::nn::Embedding embedding(torch::nn::EmbeddingOptions options, c10::Device 
   torch::nn::Embedding module(options._weight(weight));
   module->options._weight(at::Tensor());  // the options need not keep the tensor alive
   return module;
-}
-
-at::Tensor rotate_half(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
 // [B, H_kv, T, D] -> [B, H_kv * repeats, T, D], each kv head repeated `repeats` times in
@@ -81,26 +77,6 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return weight * normed.to(x.scalar_type());
 }
 
-at::Tensor rope_inv_freq(const LlamaConfig& config) {
-  const int64_t dim = config.head_dim;
-  // As HF: arange in int64, then float, then / dim, base ** that, reciprocal.
-  const at::Tensor exponents =
-      torch::arange(0, dim, 2, torch::kInt64).to(at::kFloat) / static_cast<double>(dim);
-  at::Tensor inv_freq = 1.0 / at::pow(config.rope_theta, exponents);
-  if (!config.rope_scaling) return inv_freq;
-  const RopeScaling& s = *config.rope_scaling;
-  const double old_context = static_cast<double>(s.original_max_position_embeddings);
-  const double low_freq_wavelen = old_context / s.low_freq_factor;
-  const double high_freq_wavelen = old_context / s.high_freq_factor;
-  const at::Tensor wavelen = 2 * std::numbers::pi / inv_freq;
-  at::Tensor scaled = at::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
-  const at::Tensor smooth =
-      (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
-  const at::Tensor smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
-  const at::Tensor medium = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
-  return at::where(medium, smoothed, scaled);
-}
-
 AttentionImpl::AttentionImpl(const LlamaConfig& c, c10::Device device)
     : heads(c.num_attention_heads), kv_heads(c.num_key_value_heads), head_dim(c.head_dim) {
   q_proj = register_module("q_proj", linear(c.hidden_size, heads * head_dim, c.qkv_bias, device));
@@ -128,9 +104,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
   q = q.transpose(1, 2);
   k = k.transpose(1, 2);
   v = v.transpose(1, 2);
-  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
-  q = q * c + rotate_half(q) * s;
-  k = k * c + rotate_half(k) * s;
+  q = apply_rotary(q, cos, sin);
+  k = apply_rotary(k, cos, sin);
   const int64_t repeats = heads / kv_heads;
   at::Tensor out;
   if (cache == nullptr) {
@@ -311,14 +286,14 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos,
   return h + (moe ? mdist::nn::call(moe, normed) : mdist::nn::call(mlp, normed));
 }
 
-DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c, c10::Device device)
-    : inv_freq(rope_inv_freq(c)), sliding_window(c.sliding_window) {
+DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c, c10::Device device) : rotary(c) {
   auto options = torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size);
   if (c.pad_token_id) options.padding_idx(*c.pad_token_id);  // as HF: no gradient for it
   embed_tokens = register_module("embed_tokens", embedding(options, device));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     decoder_layers.emplace_back(c, device, i);
+    windows.push_back(c.window_of(i));
     layers->push_back(decoder_layers.back());
   }
   norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, device));
@@ -346,33 +321,30 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
   }
   at::Tensor h = mdist::nn::call(embed_tokens, input_ids);
 
-  // Rotary tables [B, T, head_dim] as HF: inv_freq @ positions in fp32, cos/sin, cast to h.
+  // Rotary tables [B, T, rotary dim] as transformers' (mdist/hf/rotary.h).
   at::Tensor positions =
       position_ids.defined()
           ? position_ids
           : torch::arange(past, keys, torch::TensorOptions().dtype(at::kLong).device(device));
   if (positions.dim() == 1) positions = positions.unsqueeze(0);
-  positions = positions.expand({batch, time}).to(at::kFloat);
-  const at::Tensor freq = inv_freq.to(device).view({1, -1, 1}).expand({batch, -1, 1});
-  const at::Tensor freqs = at::matmul(freq, positions.unsqueeze(1)).transpose(1, 2);
-  const at::Tensor angles = at::cat({freqs, freqs}, -1);
-  const at::Tensor cos = angles.cos().to(h.scalar_type());
-  const at::Tensor sin = angles.sin().to(h.scalar_type());
+  const auto [cos, sin] = rotary.cos_sin(positions.expand({batch, time}), h.scalar_type());
 
-  // The attention mask [B, 1, T, keys] over cache indices: none (plain causal) unless padding
-  // or a sliding window matters, or queries follow cached keys (scaled_dot_product_attention's
-  // is_causal aligns the triangle to the first key, not the last, so it cannot be used then).
-  at::Tensor mask;
-  const bool windowed = sliding_window && keys > *sliding_window;
-  // One new token after cached ones sees every key: no mask needed (no padding, no window).
+  // The attention mask [B, 1, T, keys] over cache indices for a window (none: full causal):
+  // undefined (plain causal) unless padding or the window matters, or queries follow cached
+  // keys (scaled_dot_product_attention's is_causal aligns the triangle to the first key, not
+  // the last, so it cannot be used then). One new token after cached ones sees every key: no
+  // mask is needed for it without padding or a window.
   const bool single_query = past > 0 && time == 1;
-  if (attention_mask.defined() || windowed || (past > 0 && !single_query)) {
+  const auto mask_of = [&](std::optional<int64_t> window) {
+    at::Tensor mask;
+    const bool windowed = window && keys > *window;
+    if (!attention_mask.defined() && !windowed && (past == 0 || single_query)) return mask;
     const auto long_options = torch::TensorOptions().dtype(at::kLong).device(device);
     const at::Tensor query = torch::arange(past, keys, long_options);
     const at::Tensor key = torch::arange(keys, long_options);
     const at::Tensor distance = query.view({time, 1}) - key.view({1, keys});  // query - key
     at::Tensor allowed = distance >= 0;
-    if (windowed) allowed = allowed.logical_and(distance < *sliding_window);
+    if (windowed) allowed = allowed.logical_and(distance < *window);
     mask = allowed.view({1, 1, time, keys});
     if (attention_mask.defined()) {
       mask = mask.logical_and(attention_mask.to(at::kBool).view({batch, 1, 1, keys}));
@@ -380,12 +352,17 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
     mask = mask.expand({batch, 1, time, keys});
     // A query that may attend to no key (a left-padding position) attends to all instead,
     // so that its (unused) output is finite rather than NaN.
-    mask = mask.logical_or(mask.any(-1, /*keepdim=*/true).logical_not());
+    return mask.logical_or(mask.any(-1, /*keepdim=*/true).logical_not());
+  };
+  // Each layer's window (per layer type): one mask per distinct window, built once.
+  std::map<std::optional<int64_t>, at::Tensor> masks;
+  for (const auto& window : windows) {
+    if (!masks.contains(window)) masks[window] = mask_of(window);
   }
 
   for (std::size_t i = 0; i < decoder_layers.size(); ++i) {
     LayerKvCache* layer_cache = cache != nullptr ? &cache->layer(static_cast<int64_t>(i)) : nullptr;
-    h = mdist::nn::call(decoder_layers[i], h, cos, sin, mask, layer_cache);
+    h = mdist::nn::call(decoder_layers[i], h, cos, sin, masks.at(windows[i]), layer_cache);
   }
   return mdist::nn::call(norm, h);
 }

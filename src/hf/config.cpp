@@ -75,26 +75,90 @@ std::string architecture_of(const Json& j, std::vector<std::string>& architectur
   fail("unsupported model_type '" + model_type + "' (supported architectures: " + kSupported + ")");
 }
 
-// A rope_scaling (transformers 4) or rope_parameters (5) object; null or "default": none.
-std::optional<RopeScaling> parse_rope(const Json& rope, const char* key) {
-  if (rope.is_null()) return std::nullopt;
+// A number or a list of numbers of a rope object, with the key named when it is not one.
+std::vector<double> required_factors(const Json& rope, const char* key) {
+  const Json& value = required(rope, key);
+  if (!value.is_array()) fail("rope key '" + std::string(key) + "' is not a list of numbers");
+  return get_as<std::vector<double>>(value, key);
+}
+
+template <class T>
+std::optional<T> maybe(const Json& j, const char* key) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  return get_as<T>(*it, key);
+}
+
+// A rope_scaling (transformers 4) or rope_parameters (5) object; null, empty or "default":
+// none. The required keys are those of transformers' _validate_<kind>_rope_parameters (a missing
+// one is its KeyError); values the math cannot use (a non-positive factor) are refused too,
+// where transformers only warns and then fails or computes nonsense.
+std::optional<RopeScaling> parse_rope(const Json& rope, const char* key,
+                                      int64_t max_position_embeddings) {
+  if (rope.is_null() || (rope.is_object() && rope.empty())) return std::nullopt;
   if (!rope.is_object()) fail(std::string("key '") + key + "' is not an object");
+  for (const char* type : {"full_attention", "sliding_attention"}) {
+    if (rope.contains(type)) {
+      fail(std::string(key) + " per layer type ('" + type +
+           "') is not supported for this architecture");
+    }
+  }
   std::string type = optional_as<std::string>(rope, "rope_type", "");
   if (type.empty()) type = optional_as<std::string>(rope, "type", "default");
   if (type == "default") return std::nullopt;
-  if (type != "llama3") {
-    fail(std::string("unsupported ") + key + " type '" + type + "' (supported: llama3)");
+  if (type != "linear" && type != "dynamic" && type != "yarn" && type != "longrope" &&
+      type != "llama3") {
+    fail(std::string("unsupported ") + key + " type '" + type +
+         "' (supported: default, linear, dynamic, yarn, longrope, llama3)");
   }
   RopeScaling s;
   s.rope_type = type;
-  s.factor = required_as<double>(rope, "factor");
-  s.low_freq_factor = required_as<double>(rope, "low_freq_factor");
-  s.high_freq_factor = required_as<double>(rope, "high_freq_factor");
+  const auto where = [&](const char* name) {
+    return std::string(key) + " '" + name + "' (rope_type " + type + ")";
+  };
+  const auto need = [&](const char* name) {
+    if (!rope.contains(name)) fail("missing required key " + where(name));
+  };
+  if (type != "longrope") need("factor");
+  // null: yarn derives it (below); the others need a number.
+  s.factor = type == "yarn" || type == "longrope"
+                 ? maybe<double>(rope, "factor")
+                 : std::optional(required_as<double>(rope, "factor"));
+  // transformers' standardize_rope_params: absent, it is max_position_embeddings.
   s.original_max_position_embeddings =
-      required_as<int64_t>(rope, "original_max_position_embeddings");
-  if (!(s.high_freq_factor > s.low_freq_factor)) {
-    fail("rope scaling needs high_freq_factor > low_freq_factor");
+      optional_as<int64_t>(rope, "original_max_position_embeddings", max_position_embeddings);
+  if (s.original_max_position_embeddings <= 0) {
+    fail(where("original_max_position_embeddings") + " must be positive");
   }
+  if (type == "llama3") {
+    need("low_freq_factor");
+    need("high_freq_factor");
+    s.low_freq_factor = required_as<double>(rope, "low_freq_factor");
+    s.high_freq_factor = required_as<double>(rope, "high_freq_factor");
+    if (!(s.high_freq_factor > s.low_freq_factor)) {
+      fail("rope scaling needs high_freq_factor > low_freq_factor");
+    }
+  }
+  if (type == "yarn" || type == "longrope")
+    s.attention_factor = maybe<double>(rope, "attention_factor");
+  if (type == "yarn") {
+    s.beta_fast = maybe<double>(rope, "beta_fast");
+    s.beta_slow = maybe<double>(rope, "beta_slow");
+    s.mscale = maybe<double>(rope, "mscale");
+    s.mscale_all_dim = maybe<double>(rope, "mscale_all_dim");
+    s.truncate = maybe<bool>(rope, "truncate");
+    if (!s.factor) {
+      s.factor = static_cast<double>(max_position_embeddings) /
+                 static_cast<double>(s.original_max_position_embeddings);
+    }
+  }
+  if (type == "longrope") {
+    need("short_factor");
+    need("long_factor");
+    s.short_factor = required_factors(rope, "short_factor");
+    s.long_factor = required_factors(rope, "long_factor");
+  }
+  if (s.factor && !(*s.factor > 0)) fail(where("factor") + " must be positive");
   return s;
 }
 
@@ -250,18 +314,55 @@ void read_model_settings(const Json& j, const Family& family, LlamaConfig& c) {
   if (c.torch_dtype.empty()) c.torch_dtype = optional_as<std::string>(j, "dtype", "float32");
 }
 
-// RoPE: transformers 5 nests everything in rope_parameters; 4 has rope_theta + rope_scaling.
-void read_rope(const Json& j, LlamaConfig& c) {
-  if (const auto it = j.find("rope_parameters"); it != j.end() && !it->is_null()) {
-    c.rope_theta =
-        optional_as<double>(*it, "rope_theta", optional_as<double>(j, "rope_theta", 10000.0));
-    c.rope_scaling = parse_rope(*it, "rope_parameters");
-  } else {
-    c.rope_theta = optional_as<double>(j, "rope_theta", 10000.0);
-    if (const auto s = j.find("rope_scaling"); s != j.end())
-      c.rope_scaling = parse_rope(*s, "rope_scaling");
-  }
+// Where the RoPE settings are: transformers 5's "rope_parameters" or transformers 4's
+// "rope_scaling" (which transformers prefers when both are set and not empty).
+const char* rope_key(const Json& j) {
+  const auto set = [&](const char* key) {
+    const auto it = j.find(key);
+    return it != j.end() && !it->is_null() && !(it->is_object() && it->empty());
+  };
+  if (set("rope_scaling")) return "rope_scaling";
+  if (set("rope_parameters")) return "rope_parameters";
+  return j.contains("rope_parameters") ? "rope_parameters" : "rope_scaling";
+}
+
+// RoPE: theta and partial_rotary_factor from the rope object, else from the top level (as
+// transformers' convert_rope_params_to_dict moves them in), else the config class's default.
+void read_rope(const Json& j, const Family& family, LlamaConfig& c) {
+  const char* key = rope_key(j);
+  const Json none;
+  const auto it = j.find(key);
+  const Json& rope = it == j.end() ? none : *it;
+  const double default_theta = family.mixtral ? 1000000.0 : 10000.0;  // MixtralConfig's
+  const double top_theta = optional_as<double>(j, "rope_theta", default_theta);
+  const double top_partial = optional_as<double>(j, "partial_rotary_factor", 1.0);
+  c.rope_theta = rope.is_object() ? optional_as<double>(rope, "rope_theta", top_theta) : top_theta;
+  c.partial_rotary_factor = rope.is_object()
+                                ? optional_as<double>(rope, "partial_rotary_factor", top_partial)
+                                : top_partial;
+  c.rope_scaling = parse_rope(rope, key, c.max_position_embeddings);
   if (!(c.rope_theta > 0)) fail("rope_theta must be positive");
+  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1)) {
+    fail("partial_rotary_factor must be in (0, 1]");
+  }
+  // The attention of these architectures in transformers 5.24 rotates the whole head: it
+  // ignores the factor with the default RoPE and fails on shapes with the others. The rotary
+  // code supports it (mdist/hf/rotary.h) for the architectures that apply it (Phi-3).
+  if (c.partial_rotary_factor != 1.0) {
+    fail("partial_rotary_factor " + std::to_string(c.partial_rotary_factor) +
+         " is not supported for " + c.architecture + " (its attention rotates the whole head)");
+  }
+  if (c.rope_scaling && c.rope_scaling->rope_type == "longrope") {
+    const std::size_t frequencies = static_cast<std::size_t>(c.head_dim / 2);
+    for (const auto* factors : {&c.rope_scaling->short_factor, &c.rope_scaling->long_factor}) {
+      if (factors->size() != frequencies) {
+        fail(std::string(key) + " '" +
+             (factors == &c.rope_scaling->short_factor ? "short_factor" : "long_factor") +
+             "' has " + std::to_string(factors->size()) + " entries, but the rotary dimension " +
+             std::to_string(c.head_dim) + " needs " + std::to_string(frequencies));
+      }
+    }
+  }
 }
 
 // Which projections carry a bias, and Qwen3's q/k norms.
@@ -280,24 +381,89 @@ void read_biases(const Json& j, const Family& family, LlamaConfig& c) {
   }
 }
 
-// Mistral's and Mixtral's attention window; the other architectures have none.
-void read_sliding_window(const Json& j, LlamaConfig& c) {
+// "layer_types" as transformers validates it (PreTrainedConfig.validate_layer_type: one per
+// layer; "attention" is its legacy name of full_attention); types other than full and sliding
+// attention are refused as unsupported.
+std::vector<LayerType> parse_layer_types(const Json& j, const LlamaConfig& c) {
+  const auto it = j.find("layer_types");
+  if (it == j.end() || it->is_null()) return {};
+  if (!it->is_array()) fail("key 'layer_types' is not a list of strings");
+  const auto names = get_as<std::vector<std::string>>(*it, "layer_types");
+  if (static_cast<int64_t>(names.size()) != c.num_hidden_layers) {
+    fail("layer_types has " + std::to_string(names.size()) + " entries for " +
+         std::to_string(c.num_hidden_layers) + " layers (num_hidden_layers)");
+  }
+  std::vector<LayerType> types;
+  for (const auto& name : names) {
+    if (name == "full_attention" || name == "attention") {
+      types.push_back(LayerType::kFullAttention);
+    } else if (name == "sliding_attention") {
+      types.push_back(LayerType::kSlidingAttention);
+    } else {
+      fail("unsupported layer type '" + name +
+           "' in layer_types (supported: full_attention, sliding_attention)");
+    }
+  }
+  return types;
+}
+
+std::optional<int64_t> positive_window(const Json& value) {
+  if (value.is_null()) return std::nullopt;
+  const auto window = get_as<int64_t>(value, "sliding_window");
+  if (window <= 0) fail("sliding_window must be positive");
+  return window;
+}
+
+// The attention window and which layers it applies to, as each architecture's config class
+// and attention module decide them.
+void read_attention_layers(const Json& j, const Family& family, LlamaConfig& c) {
+  // Validated for every architecture, as transformers does; only Qwen2, Qwen3 and Qwen2-MoE
+  // read them (the others' attention ignores layer_types).
+  const std::vector<LayerType> given = parse_layer_types(j, c);
   if (c.architecture == "MixtralForCausalLM") {
-    // MixtralConfig: no window unless one is given.
-    if (const auto it = j.find("sliding_window"); it != j.end() && !it->is_null()) {
-      c.sliding_window = get_as<int64_t>(*it, "sliding_window");
-      if (*c.sliding_window <= 0) fail("sliding_window must be positive");
+    // MixtralConfig: no window unless one is given; then every layer is windowed.
+    if (const auto it = j.find("sliding_window"); it != j.end())
+      c.sliding_window = positive_window(*it);
+    return;
+  }
+  if (c.architecture == "MistralForCausalLM") {
+    // Absent: MistralConfig's default window of 4096 (every layer); null: no window.
+    const auto it = j.find("sliding_window");
+    c.sliding_window = it == j.end() ? std::optional<int64_t>(4096) : positive_window(*it);
+    return;
+  }
+  if (!family.qwen) {  // Llama: no window
+    if (optional_as<bool>(j, "use_sliding_window", false)) {
+      fail("use_sliding_window=true is not supported for " + c.architecture);
     }
-  } else if (c.architecture == "MistralForCausalLM") {
-    // Absent: MistralConfig's default window of 4096; null: no window.
-    if (const auto it = j.find("sliding_window"); it == j.end()) {
-      c.sliding_window = 4096;
-    } else if (!it->is_null()) {
-      c.sliding_window = get_as<int64_t>(*it, "sliding_window");
-      if (*c.sliding_window <= 0) fail("sliding_window must be positive");
+    return;
+  }
+  // Qwen: the window exists only with use_sliding_window (default 4096).
+  const bool use_window = optional_as<bool>(j, "use_sliding_window", false);
+  if (use_window) {
+    const auto it = j.find("sliding_window");
+    c.sliding_window = it == j.end() ? std::optional<int64_t>(4096) : positive_window(*it);
+  }
+  // Qwen3-MoE's attention has no layer types: its window applies to every layer.
+  if (c.architecture == "Qwen3MoeForCausalLM") return;
+  const int64_t max_window_layers = optional_as<int64_t>(j, "max_window_layers", 28);
+  c.layer_types = given;
+  if (c.layer_types.empty()) {
+    // Qwen2Config / Qwen3Config: the layers from max_window_layers on slide. Qwen2MoeConfig:
+    // the even-numbered layers (0, 2, ...) below max_window_layers.
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      const bool sliding = family.qwen2_moe
+                               ? use_window && (i + 1) % 2 != 0 && i < max_window_layers
+                               : c.sliding_window.has_value() && i >= max_window_layers;
+      c.layer_types.push_back(sliding ? LayerType::kSlidingAttention : LayerType::kFullAttention);
     }
-  } else if (optional_as<bool>(j, "use_sliding_window", false)) {
-    fail("use_sliding_window=true is not supported for " + c.architecture);
+  }
+  for (std::size_t i = 0; i < c.layer_types.size(); ++i) {
+    if (c.layer_types[i] == LayerType::kSlidingAttention && !c.sliding_window) {
+      fail("layer_types makes layer " + std::to_string(i) +
+           " sliding_attention, but there is no sliding_window (use_sliding_window is false or "
+           "sliding_window null)");
+    }
   }
 }
 
@@ -320,9 +486,9 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   const Family family = family_of(c.architecture);
   read_sizes(j, family, c);
   read_model_settings(j, family, c);
-  read_rope(j, c);
+  read_rope(j, family, c);
   read_biases(j, family, c);
-  read_sliding_window(j, c);
+  read_attention_layers(j, family, c);
   if (c.architecture == "Qwen3MoeForCausalLM" || family.qwen2_moe || family.mixtral) {
     c.moe = parse_moe(j, c);
   }
@@ -335,6 +501,13 @@ bool LlamaConfig::sparse_layer(int64_t layer) const {
     if (dense == layer) return false;
   }
   return (layer + 1) % moe->decoder_sparse_step == 0;
+}
+
+std::optional<int64_t> LlamaConfig::window_of(int64_t layer) const {
+  if (layer_types.empty()) return sliding_window;
+  const bool sliding =
+      layer_types.at(static_cast<std::size_t>(layer)) == LayerType::kSlidingAttention;
+  return sliding ? sliding_window : std::nullopt;
 }
 
 LlamaConfig LlamaConfig::from_file(const std::string& path) {
@@ -352,7 +525,6 @@ LlamaConfig LlamaConfig::from_file(const std::string& path) {
 std::string LlamaConfig::to_json() const {
   Json j = Json::object();
   if (!source_json.empty()) j = Json::parse(source_json);
-  const bool v5_rope = j.contains("rope_parameters");
   const bool v5_dtype = j.contains("dtype") && !j.contains("torch_dtype");
 
   j["architectures"] =
@@ -393,27 +565,73 @@ std::string LlamaConfig::to_json() const {
   }
   if (architecture == "MistralForCausalLM" || architecture == "MixtralForCausalLM") {
     j["sliding_window"] = sliding_window ? Json(*sliding_window) : Json(nullptr);
+  } else if (family_of(architecture).qwen) {
+    j["use_sliding_window"] = sliding_window.has_value();
+    // Without a window the value is unused: keep the source's (Qwen2-MoE saves 0).
+    if (sliding_window) {
+      j["sliding_window"] = *sliding_window;
+    } else if (!j.contains("sliding_window")) {
+      j["sliding_window"] = nullptr;
+    }
+    if (!layer_types.empty()) {
+      std::vector<std::string> names;
+      for (const LayerType type : layer_types) {
+        names.push_back(type == LayerType::kSlidingAttention ? "sliding_attention"
+                                                             : "full_attention");
+      }
+      j["layer_types"] = names;
+    }
   }
 
-  Json scaling = nullptr;
+  // The rope object in the spelling it was read in (transformers 4's for a config built in
+  // code), keeping the keys this struct does not model.
+  const std::string key = rope_key(j);
+  Json rope = j.contains(key) && j.at(key).is_object() ? j.at(key) : Json::object();
+  for (const char* known :
+       {"type", "rope_type", "factor", "low_freq_factor", "high_freq_factor", "attention_factor",
+        "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "short_factor",
+        "long_factor", "rope_theta", "partial_rotary_factor"}) {
+    rope.erase(known);
+  }
   if (rope_scaling) {
-    scaling = {
-        {"rope_type", rope_scaling->rope_type},
-        {"factor", rope_scaling->factor},
-        {"low_freq_factor", rope_scaling->low_freq_factor},
-        {"high_freq_factor", rope_scaling->high_freq_factor},
-        {"original_max_position_embeddings", rope_scaling->original_max_position_embeddings}};
+    const RopeScaling& r = *rope_scaling;
+    rope["rope_type"] = r.rope_type;
+    if (r.factor) rope["factor"] = *r.factor;
+    // linear and dynamic do not use it: a source's value stays as it was.
+    if (r.rope_type == "llama3" || r.rope_type == "yarn" || r.rope_type == "longrope") {
+      rope["original_max_position_embeddings"] = r.original_max_position_embeddings;
+    }
+    if (r.rope_type == "llama3") {
+      rope["low_freq_factor"] = r.low_freq_factor;
+      rope["high_freq_factor"] = r.high_freq_factor;
+    }
+    const auto put = [&](const char* name, const auto& value) {
+      if (value) rope[name] = *value;
+    };
+    put("attention_factor", r.attention_factor);
+    put("beta_fast", r.beta_fast);
+    put("beta_slow", r.beta_slow);
+    put("mscale", r.mscale);
+    put("mscale_all_dim", r.mscale_all_dim);
+    put("truncate", r.truncate);
+    if (r.rope_type == "longrope") {
+      rope["short_factor"] = r.short_factor;
+      rope["long_factor"] = r.long_factor;
+    }
   }
   j.erase("rope_scaling");
   j.erase("rope_parameters");
   j.erase("rope_theta");
-  if (v5_rope) {
-    Json params = scaling.is_null() ? Json{{"rope_type", "default"}} : scaling;
-    params["rope_theta"] = rope_theta;
-    j["rope_parameters"] = params;
+  j.erase("partial_rotary_factor");
+  if (key == std::string("rope_parameters")) {
+    if (!rope_scaling) rope["rope_type"] = "default";
+    rope["rope_theta"] = rope_theta;
+    if (partial_rotary_factor != 1.0) rope["partial_rotary_factor"] = partial_rotary_factor;
+    j["rope_parameters"] = rope;
   } else {
     j["rope_theta"] = rope_theta;
-    j["rope_scaling"] = scaling;
+    if (partial_rotary_factor != 1.0) j["partial_rotary_factor"] = partial_rotary_factor;
+    j["rope_scaling"] = rope_scaling ? rope : Json(nullptr);
   }
   return j.dump(2) + "\n";
 }

@@ -88,8 +88,8 @@ TEST_P(MetaBuild, EveryParameterIsOnMetaWithTheRealModelsNamesShapesAndModuleTyp
   EXPECT_EQ(meta->model->embed_tokens->options.num_embeddings(), config.vocab_size);
   EXPECT_EQ(meta->model->embed_tokens->options.padding_idx(), config.pad_token_id);
   // Not a parameter, computed on the CPU either way.
-  EXPECT_FALSE(meta->model->inv_freq.is_meta());
-  EXPECT_TRUE(torch::equal(meta->model->inv_freq, real->model->inv_freq));
+  EXPECT_FALSE(meta->model->rotary.inv_freq().is_meta());
+  EXPECT_TRUE(torch::equal(meta->model->rotary.inv_freq(), real->model->rotary.inv_freq()));
 
   // Loading into meta parameters would silently do nothing: it is an error instead.
   std::map<std::string, at::Tensor> weights;

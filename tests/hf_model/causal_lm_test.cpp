@@ -620,22 +620,23 @@ TEST(LlamaConfig, MissingKeyIsNamed) {
               HasSubstr("missing required key 'architectures'"));
 }
 
+// Every kind of transformers' ROPE_INIT_FUNCTIONS but proportional is supported (rope_test.cpp).
 TEST(LlamaConfig, UnsupportedRopeScalingTypeIsNamed) {
   EXPECT_THAT(error_of([] {
                 LlamaConfig::from_json(
-                    minimal_config(R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4.0})"));
+                    minimal_config(R"(, "rope_scaling": {"rope_type": "su", "factor": 4.0})"));
               }),
-              HasSubstr("unsupported rope_scaling type 'yarn'"));
+              HasSubstr("unsupported rope_scaling type 'su'"));
   EXPECT_THAT(error_of([] {
-                LlamaConfig::from_json(
-                    minimal_config(R"(, "rope_scaling": {"type": "linear", "factor": 2.0})"));
+                LlamaConfig::from_json(minimal_config(
+                    R"(, "rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4})"));
               }),
-              HasSubstr("type 'linear'"));
+              HasSubstr("unsupported rope_parameters type 'proportional'"));
   EXPECT_THAT(error_of([] {
                 LlamaConfig::from_json(minimal_config(
                     R"(, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4})"));
               }),
-              HasSubstr("unsupported rope_parameters type 'dynamic'"));
+              HasSubstr("missing required key rope_parameters 'factor' (rope_type dynamic)"));
 }
 
 TEST(LlamaConfig, OtherErrors) {

@@ -12,7 +12,7 @@ fixtures/<arch>/ receives:
 Tensors: the weights under their checkpoint names (the save_pretrained key set: a tied
 lm_head.weight is left out), stored as f16; the model runs on those f16-rounded values in
 fp32, so the C++ side loads exactly the same weights. Then the inputs "input_ids" and
-"attention_mask" [3, 8] (row 0 full, row 1 right-padded, row 2 left-padded), "labels"
+"attention_mask" [3, T] (T = 8 here) (row 0 full, row 1 right-padded, row 2 left-padded), "labels"
 (input_ids with -100 at padding and at the left-padded row's first real token, whose
 prediction comes from a padded position), and HF's "logits" [3, 8, V] and "loss" [] (f32),
 "grad_norms" (the 2-norm of each parameter's gradient of the loss, parameters in name
@@ -35,6 +35,7 @@ qwen3_moe_bf16: the qwen3_moe model in bf16 with every router (mlp.gate) kept in
 fp32 input (a forward pre-hook), "logits" and the losses of that run.
 """
 import json
+import os
 import pathlib
 
 import torch
@@ -45,7 +46,9 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-HERE = pathlib.Path(__file__).resolve().parent / "fixtures"
+# MDIST_FIXTURES_DIR: write elsewhere (to compare a regeneration with the committed files).
+HERE = pathlib.Path(os.environ.get("MDIST_FIXTURES_DIR",
+                                   pathlib.Path(__file__).resolve().parent / "fixtures"))
 COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=40, max_position_embeddings=64,
               rms_norm_eps=1e-6)
@@ -113,9 +116,15 @@ def published(state, config):
     return out, fused
 
 
-def write(arch, config_cls, model_cls, extra):
+def write(arch, config_cls, model_cls, extra, seq_len=8, followups=(), rope_tables=False):
+    """seq_len: the inputs' length. followups: lengths of further forwards, run in order after
+    the first (no mask, every row cut to that length), whose logits are stored as
+    "logits_<length>": they show the state transformers keeps between forwards (dynamic RoPE,
+    longrope's short and long factors). rope_tables: also store the rotary embedding's
+    "rope:inv_freq" as built, "rope:inv_freq_after" as the first forward left it, and
+    "rope:attention_scaling" [1]."""
     torch.manual_seed(1234)
-    config = config_cls(**COMMON, **extra, architectures=[model_cls.__name__])
+    config = config_cls(**{**COMMON, **extra}, architectures=[model_cls.__name__])
     config._attn_implementation = "sdpa"
     model = model_cls(config).eval().float()
     with torch.no_grad():  # large enough values that every parameter matters, f16-exact
@@ -138,17 +147,24 @@ def write(arch, config_cls, model_cls, extra):
                 layer.mlp.gate.float()
                 layer.mlp.gate.register_forward_pre_hook(lambda m, args: (args[0].float(),))
 
-    T = 8
+    T = seq_len
     ids = torch.randint(0, config.vocab_size, (3, T))
     ids[0, 2] = 0  # the llama fixture's pad_token_id: its embedding row gets no gradient
     mask = torch.ones(3, T, dtype=torch.int64)
-    mask[1, 6:] = 0
+    mask[1, T - 2:] = 0
     mask[2, :3] = 0
     labels = ids.clone()
     labels[mask == 0] = -100
     labels[2, 3] = -100
+    rotary = model.model.rotary_emb
+    built_inv_freq = rotary.inv_freq.clone()
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     assert torch.isfinite(out.loss), out.loss
+    if rope_tables:
+        extra_rope = [("rope:inv_freq", built_inv_freq.float()),
+                      ("rope:inv_freq_after", rotary.inv_freq.detach().clone().float()),
+                      ("rope:attention_scaling", torch.tensor([rotary.attention_scaling],
+                                                              dtype=torch.float32))]
     out.loss.backward()
     extra = []
     if moe:
@@ -195,12 +211,17 @@ def write(arch, config_cls, model_cls, extra):
                 ("logits", out.logits.detach().float()), ("loss", out.loss.detach().float()),
                 ("grad_norms", torch.stack([g.norm() for _, g in sorted(grads.items())]))]
     tensors += extra
+    if rope_tables:
+        tensors += extra_rope
     if arch == "llama":  # the full embedding gradient, and explicit position ids
         tensors.append(("grad:model.embed_tokens.weight", model.model.embed_tokens.weight.grad))
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them
         with torch.no_grad():
             shifted = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         tensors += [("position_ids", positions), ("logits_with_position_ids", shifted)]
+    with torch.no_grad():
+        for length in followups:
+            tensors.append((f"logits_{length}", model(input_ids=ids[:, :length]).logits.float()))
     manifest, blob = [], bytearray()
     codes = {torch.float16: "f16", torch.float32: "f32", torch.int64: "i64"}
     for name, tensor in tensors:

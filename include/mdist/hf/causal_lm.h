@@ -26,8 +26,9 @@
 // mdist::nn::hooked, so fully_shard can wrap the root and each decoder layer.
 //
 // Numerics follow transformers: RMSNorm in fp32 then cast back before the weight multiply,
-// rotate-half RoPE from rope_theta (with Llama 3 scaling), GQA by repeating k/v heads, causal
-// scaled-dot-product attention with an optional padding mask and (Mistral) sliding window.
+// rotate-half RoPE of every kind transformers has (mdist/hf/rotary.h), GQA by repeating k/v
+// heads, causal scaled-dot-product attention with an optional padding mask and a sliding window
+// on the layers whose type is sliding attention (LlamaConfig::window_of).
 // Parameters are created in fp32 on the CPU; use ->to() for another dtype or device.
 //
 // Mixtures of experts route as transformers 5: router logits in the router's dtype (its input
@@ -41,7 +42,7 @@
 // Built with device = kMeta, every parameter is a meta tensor (shape and dtype, no storage):
 // each Linear, Embedding and RMSNorm gets its parameters on meta as it is built, so nothing of
 // the model's size is ever allocated, and the module types stay the same (code that looks for
-// every torch::nn::Linear still finds them). The rotary inv_freq is real either way. Such a
+// every torch::nn::Linear still finds them). The rotary tables are real either way. Such a
 // model cannot run; fsdp2_wrap it and load a checkpoint into it (hf::load_pretrained_fsdp2),
 // or give it memory with mdist::nn::to_empty (mdist/nn/meta.h).
 #include <torch/torch.h>
@@ -55,6 +56,7 @@
 
 #include "mdist/hf/config.h"
 #include "mdist/hf/kv_cache.h"
+#include "mdist/hf/rotary.h"
 
 namespace mdist::hf {
 
@@ -66,9 +68,6 @@ struct RMSNormImpl : torch::nn::Module {
   double eps;
 };
 TORCH_MODULE(RMSNorm);
-
-// The rotary embedding's inverse frequencies [head_dim / 2] (fp32), with Llama 3 scaling.
-at::Tensor rope_inv_freq(const LlamaConfig& config);
 
 struct AttentionImpl : torch::nn::Module {
   explicit AttentionImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
@@ -185,8 +184,9 @@ struct DecoderModelImpl : torch::nn::Module {
   torch::nn::ModuleList layers{nullptr};
   std::vector<DecoderLayer> decoder_layers;  // layers, typed
   RMSNorm norm{nullptr};
-  at::Tensor inv_freq;  // not a parameter or buffer, as HF's non-persistent inv_freq
-  std::optional<int64_t> sliding_window;
+  // Not parameters or buffers, as HF's non-persistent inv_freq; holds the dynamic-RoPE state.
+  RotaryEmbedding rotary;
+  std::vector<std::optional<int64_t>> windows;  // each layer's attention window (none: full)
 };
 TORCH_MODULE(DecoderModel);
 

@@ -23,14 +23,30 @@ class ConfigError : public Error {
   using Error::Error;
 };
 
-// Llama 3's frequency-dependent RoPE scaling ("rope_type": "llama3"), the only one supported.
+// A RoPE scaling of transformers' ROPE_INIT_FUNCTIONS (config.json "rope_scaling" in
+// transformers 4, "rope_parameters" in 5): "linear", "dynamic", "yarn", "longrope" or "llama3".
+// The math is in mdist/hf/rotary.h. Optional keys that were absent stay unset, so that to_json
+// writes back what was read.
 struct RopeScaling {
   std::string rope_type = "llama3";
-  double factor = 8.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
+  // Every kind but longrope requires it; longrope's default is
+  // max_position_embeddings / original_max_position_embeddings. yarn: null means that ratio too.
+  std::optional<double> factor = 8.0;
+  // llama3, yarn, longrope; absent: max_position_embeddings (as transformers standardises it).
   int64_t original_max_position_embeddings = 8192;
+  double low_freq_factor = 1.0;   // llama3
+  double high_freq_factor = 4.0;  // llama3
+  // yarn and longrope: the factor cos and sin are multiplied by; absent: derived from factor
+  // (yarn: also from mscale / mscale_all_dim).
+  std::optional<double> attention_factor;
+  std::optional<double> beta_fast, beta_slow;     // yarn; absent (or 0): 32 and 1
+  std::optional<double> mscale, mscale_all_dim;   // yarn
+  std::optional<bool> truncate;                   // yarn; absent: true
+  std::vector<double> short_factor, long_factor;  // longrope: one per rotary frequency
 };
+
+// Which attention a decoder layer runs (config.json "layer_types").
+enum class LayerType { kFullAttention, kSlidingAttention };
 
 // The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral: a router (a bias-free Linear
 // hidden -> num_experts, softmax in fp32, top num_experts_per_tok) and num_experts SwiGLU
@@ -68,10 +84,20 @@ struct LlamaConfig {
   int64_t vocab_size = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
-  std::optional<RopeScaling> rope_scaling;  // none: plain RoPE
-  std::optional<int64_t> sliding_window;    // Mistral (Qwen2/3 only with use_sliding_window)
-  std::optional<int64_t> pad_token_id;      // embed_tokens' padding_idx (no gradient)
-  std::string hidden_act = "silu";          // the only one supported
+  std::optional<RopeScaling> rope_scaling;  // none: plain RoPE ("default")
+  // The fraction of head_dim that RoPE rotates (the first channels); the rest pass through.
+  // Read for every family, but only 1 is accepted by the current ones (see config.cpp).
+  double partial_rotary_factor = 1.0;
+  // The attention window of the layers layer_types marks sliding (Mistral, Mixtral and
+  // Qwen3-MoE: every layer; Qwen2/Qwen3/Qwen2-MoE only with use_sliding_window).
+  std::optional<int64_t> sliding_window;
+  // One per decoder layer: read from "layer_types" or derived as the architecture's config
+  // class derives it (Qwen2/Qwen3: use_sliding_window and max_window_layers). Empty when the
+  // architecture has no per-layer types (Llama: all full; Mistral, Mixtral, Qwen3-MoE: all
+  // sliding when sliding_window is set).
+  std::vector<LayerType> layer_types;
+  std::optional<int64_t> pad_token_id;  // embed_tokens' padding_idx (no gradient)
+  std::string hidden_act = "silu";      // the only one supported
   bool tie_word_embeddings = false;
   bool qkv_bias = false;  // bias on q/k/v_proj (Llama attention_bias; always for Qwen2)
   bool o_bias = false;    // bias on o_proj (Llama attention_bias; never for Qwen2)
@@ -82,6 +108,8 @@ struct LlamaConfig {
 
   // Whether decoder layer `layer` has the sparse MoE block (else a dense MLP).
   bool sparse_layer(int64_t layer) const;
+  // The attention window of decoder layer `layer`; none: full causal attention.
+  std::optional<int64_t> window_of(int64_t layer) const;
 
   // Throws ConfigError naming the architecture, the missing key or the unsupported value.
   static LlamaConfig from_json(const std::string& text);
