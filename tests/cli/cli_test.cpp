@@ -32,6 +32,7 @@ extern char** environ;
 namespace {
 
 namespace fs = std::filesystem;
+using mdist::testing::error_lines;
 using mdist::testing::kQuickTrain;
 using mdist::testing::MdistCommand;
 using mdist::testing::RunResult;
@@ -502,11 +503,7 @@ TEST_P(MdistBadInput, IsOneClearLineAndNoOutput) {
   }
   EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist " + args[0] + ": error: " + message)) << r.err;
   // One line from the job (the launcher adds its own summary of which rank failed).
-  std::istringstream lines(r.err);
-  int errors = 0;
-  for (std::string line; std::getline(lines, line);)
-    errors += line.find(": error: ") != std::string::npos;
-  EXPECT_EQ(errors, 1) << r.err;
+  EXPECT_EQ(error_lines(r.err), 1) << r.err;
   EXPECT_FALSE(fs::exists(dir_ / "out")) << "partial output left behind";
 }
 
@@ -794,16 +791,6 @@ std::string repeat_bytes(const std::string& pattern, std::size_t times) {
   std::string bytes;
   for (std::size_t i = 0; i < times; ++i) bytes += pattern;
   return bytes;
-}
-
-// The number of lines of a job's stderr that report an error.
-int error_lines(const std::string& err) {
-  std::istringstream lines(err);
-  int errors = 0;
-  for (std::string line; std::getline(lines, line);) {
-    errors += line.find(": error: ") != std::string::npos;
-  }
-  return errors;
 }
 
 class MdistChecks : public MdistCommand {

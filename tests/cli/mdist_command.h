@@ -32,6 +32,17 @@ namespace fs = std::filesystem;
 inline const std::vector<std::string> kQuickTrain = {"--seq-len", "32", "--global-batch", "4",
                                                      "--warmup",  "2",  "--log-every",    "1"};
 
+// The lines of a job's stderr that report an error ("...: error: ..."; the launcher adds its
+// own summary of which rank failed, without one). A bad input gives exactly one.
+inline int error_lines(const std::string& err) {
+  std::istringstream lines(err);
+  int errors = 0;
+  for (std::string line; std::getline(lines, line);) {
+    errors += line.find(": error: ") != std::string::npos;
+  }
+  return errors;
+}
+
 class MdistCommand : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -50,17 +50,6 @@ double eval_loss(const std::string& out) {
                                  : std::stod(out.substr(at + std::strlen("mdist eval: loss ")));
 }
 
-// The lines of a job's stderr that report an error (the launcher adds its own summary of which
-// rank failed, without one).
-int error_lines(const std::string& err) {
-  std::istringstream lines(err);
-  int errors = 0;
-  for (std::string line; std::getline(lines, line);) {
-    errors += line.find(": error: ") != std::string::npos;
-  }
-  return errors;
-}
-
 class QuantizeCommand : public MdistCommand {
  protected:
   // The fixture's tokens `name` ("calib" [batches, rows, T] or "eval_ids" [rows, T]) as a .u32

@@ -26,57 +26,19 @@
 #include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/nn/hooks.h"
+#include "tests/hf_model/fixture_reader.h"
 
 namespace {
 
 using mdist::hf::CausalLM;
 using mdist::hf::ConfigError;
 using mdist::hf::LlamaConfig;
+using mdist::test::fixture_dir;
+using mdist::test::is_weight;
+using mdist::test::read_fixture;
+using mdist::test::read_text;
+using mdist::test::weights_of;
 using ::testing::HasSubstr;
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in) << path;
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-// The tensors of fixtures/<arch>/: manifest.json names, dtypes, shapes and offsets into
-// tensors.bin (raw little-endian; this test assumes a little-endian host).
-std::map<std::string, at::Tensor> read_fixture(const std::string& dir) {
-  const auto manifest = nlohmann::json::parse(read_text(dir + "/manifest.json"));
-  const std::string blob = read_text(dir + "/tensors.bin");
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& entry : manifest.at("tensors")) {
-    const auto dtype = entry.at("dtype").get<std::string>();
-    const auto shape = entry.at("shape").get<std::vector<int64_t>>();
-    const auto offset = entry.at("offset").get<std::size_t>();
-    const auto scalar = dtype == "f16" ? at::kHalf : dtype == "f32" ? at::kFloat : at::kLong;
-    at::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(scalar));
-    const std::size_t bytes = t.numel() * t.element_size();
-    EXPECT_LE(offset + bytes, blob.size()) << entry.dump();
-    std::memcpy(t.data_ptr(), blob.data() + offset, bytes);
-    tensors[entry.at("name").get<std::string>()] = t;
-  }
-  return tensors;
-}
-
-std::string fixture_dir(const std::string& arch) {
-  return std::string(MDIST_HF_MODEL_FIXTURES) + "/" + arch;
-}
-
-bool is_weight(const std::string& name) {
-  return name.starts_with("model.") || name.starts_with("lm_head.");
-}
-
-std::map<std::string, at::Tensor> weights_of(const std::map<std::string, at::Tensor>& fixture) {
-  std::map<std::string, at::Tensor> weights;
-  for (const auto& [name, t] : fixture) {
-    if (is_weight(name)) weights[name] = t;
-  }
-  return weights;
-}
 
 CausalLM loaded_model(const std::string& arch, std::map<std::string, at::Tensor>& fixture) {
   fixture = read_fixture(fixture_dir(arch));

@@ -20,6 +20,7 @@
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/config.h"
 #include "mdist/hf/rotary.h"
+#include "tests/hf_model/fixture_reader.h"
 
 namespace {
 
@@ -27,38 +28,11 @@ using mdist::hf::CausalLM;
 using mdist::hf::ConfigError;
 using mdist::hf::LayerType;
 using mdist::hf::LlamaConfig;
+using mdist::test::fixture_dir;
+using mdist::test::read_fixture;
+using mdist::test::read_text;
+using mdist::test::weights_of;
 using ::testing::HasSubstr;
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in) << path;
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-// fixtures/<name>/ as make_fixtures.py writes it (see causal_lm_test.cpp).
-std::map<std::string, at::Tensor> read_fixture(const std::string& dir) {
-  const auto manifest = nlohmann::json::parse(read_text(dir + "/manifest.json"));
-  const std::string blob = read_text(dir + "/tensors.bin");
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& entry : manifest.at("tensors")) {
-    const auto dtype = entry.at("dtype").get<std::string>();
-    const auto scalar = dtype == "f16" ? at::kHalf : dtype == "f32" ? at::kFloat : at::kLong;
-    at::Tensor t = torch::empty(entry.at("shape").get<std::vector<int64_t>>(),
-                                torch::TensorOptions().dtype(scalar));
-    const auto offset = entry.at("offset").get<std::size_t>();
-    const std::size_t bytes = t.numel() * t.element_size();
-    EXPECT_LE(offset + bytes, blob.size()) << entry.dump();
-    std::memcpy(t.data_ptr(), blob.data() + offset, bytes);
-    tensors[entry.at("name").get<std::string>()] = t;
-  }
-  return tensors;
-}
-
-std::string fixture_dir(const std::string& name) {
-  return std::string(MDIST_HF_MODEL_FIXTURES) + "/" + name;
-}
 
 // The fixture's config. rope_partial's is refused for Llama (its attention rotates the whole
 // head in transformers; the fixture ran Phi-3's partial rotation): read it without the factor,
@@ -74,12 +48,8 @@ LlamaConfig config_of(const std::string& name) {
 }
 
 CausalLM loaded(const LlamaConfig& config, const std::map<std::string, at::Tensor>& fixture) {
-  std::map<std::string, at::Tensor> weights;
-  for (const auto& [name, t] : fixture) {
-    if (name.starts_with("model.") || name.starts_with("lm_head.")) weights[name] = t;
-  }
   CausalLM model(config);
-  mdist::hf::load_state_dict(model, weights);
+  mdist::hf::load_state_dict(model, weights_of(fixture));
   model->eval();
   return model;
 }
