@@ -20,8 +20,8 @@ them out (src/cli/sft_data.h): "padded" (one example per row, right-padded, atte
 labels -100 on prompt and padding) and "packed" (examples in order, greedily, per-example
 position ids restarting at 0, no attention mask, labels -100 on each example's prompt and first
 token and on the tail). "loss" is transformers' loss of model(input_ids, attention_mask |
-position_ids, labels) on each (packed: transformers detects the documents from the position
-ids and masks per document). The script checks the packed loss equals the padded one (1e-6).
+position_ids, labels, use_cache=False) on each (packed: transformers detects the documents from
+the position ids and masks per document, only without a cache, i.e. as in training). The script checks the packed loss equals the padded one (1e-6).
 """
 import json
 import os
@@ -135,7 +135,7 @@ def parity():
         with torch.no_grad():
             for name, packing in (("padded", False), ("packed", True)):
                 batch = layout(examples, packing)
-                loss = model(**batch).loss.item()
+                loss = model(**batch, use_cache=False).loss.item()
                 entry[name] = {k: v.tolist() for k, v in batch.items()}
                 entry[name]["loss"] = loss
         assert len(entry["packed"]["input_ids"]) < len(entry["padded"]["input_ids"])
@@ -144,7 +144,8 @@ def parity():
         # The per-document mask matters: the packed rows without position ids differ.
         with torch.no_grad():
             packed = layout(examples, True)
-            cross = model(input_ids=packed["input_ids"], labels=packed["labels"]).loss.item()
+            cross = model(input_ids=packed["input_ids"], labels=packed["labels"],
+                          use_cache=False).loss.item()
         assert abs(cross - entry["packed"]["loss"]) > 1e-3, (arch, cross)
         print(arch, "padded", entry["padded"]["loss"], "packed", entry["packed"]["loss"],
               "unmasked", cross)
