@@ -74,6 +74,42 @@ void declare_model_data_flags(CLI::App& app, ModelDataOptions& io, bool with_mod
   declare_param_dtype_flag(app, io.param_dtype);
 }
 
+void declare_sft_flags(CLI::App& app, ModelDataOptions& io) {
+  app.add_option("--format", io.format,
+                 "lm (language modelling on the --data stream) or sft (a JSON Lines --data "
+                 "file of prompt / completion pairs: loss on the completion tokens only)")
+      ->capture_default_str();
+  app.add_option("--prompt-field", io.prompt_field, "--format sft: the prompt's JSON field")
+      ->capture_default_str();
+  app.add_option("--completion-field", io.completion_field,
+                 "--format sft: the completion's JSON field")
+      ->capture_default_str();
+  app.add_flag("--packing", io.packing,
+               "--format sft: several examples per sequence (per-example positions and "
+               "attention), instead of one padded example per sequence");
+}
+
+void check_sft_flags(const ModelDataOptions& io) {
+  if (io.format != "lm" && io.format != "sft") {
+    throw InputError("unknown --format '" + io.format + "' (expected lm or sft)");
+  }
+  if (!io.sft()) {
+    if (io.packing) throw InputError("--packing needs --format sft");
+    if (io.prompt_field != "prompt" || io.completion_field != "completion") {
+      throw InputError("--prompt-field and --completion-field need --format sft");
+    }
+    return;
+  }
+  if (!io.data) throw InputError("--format sft needs --data FILE.jsonl");
+  if (io.split == "train" || io.split == "eval") {
+    throw InputError("--split " + io.split +
+                     " does not apply to --format sft (held-out examples: --eval-data)");
+  }
+  if (io.prompt_field.empty() || io.completion_field.empty()) {
+    throw InputError("--prompt-field and --completion-field must not be empty");
+  }
+}
+
 std::string flag_value(double value) {
   if (std::isnan(value)) return "nan";
   char text[64];

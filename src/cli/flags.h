@@ -30,11 +30,23 @@ struct ModelDataOptions {
   // gathers and computes in (parse_param_dtype). The same in train, eval and calibrate, so a
   // held-out loss logged by train is what eval gives for the checkpoint.
   std::string param_dtype;
+  // --format: lm (a token stream cut into windows of seq_len) or sft (prompt / completion
+  // examples of a JSON Lines --data file, src/cli/sft_data.h), with its field names and
+  // --packing. train and eval only.
+  std::string format = "lm";
+  std::string prompt_field = "prompt";
+  std::string completion_field = "completion";
+  bool packing = false;
+  bool sft() const { return format == "sft"; }
 };
 
 // --model (when with_model), --data, --data-format, --split, --seq-len, --seed, --tp, --ep,
 // --timeout, --param-dtype.
 void declare_model_data_flags(CLI::App& app, ModelDataOptions& io, bool with_model = true);
+// --format, --prompt-field, --completion-field, --packing (train and eval).
+void declare_sft_flags(CLI::App& app, ModelDataOptions& io);
+// InputError unless --format is lm or sft, and the SFT flags come with --format sft and --data.
+void check_sft_flags(const ModelDataOptions& io);
 void declare_tensor_parallel_flag(CLI::App& app, int& tp);
 void declare_expert_parallel_flag(CLI::App& app, int& ep);
 void declare_timeout_flag(CLI::App& app, std::optional<double>& timeout_s);

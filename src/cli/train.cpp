@@ -20,6 +20,7 @@
 #include "src/cli/loss_plot.h"
 #include "src/cli/progress.h"
 #include "src/cli/run_dir.h"
+#include "src/cli/sft_data.h"
 #include "src/cli/watchdog.h"
 
 namespace mdist::cli {
@@ -28,11 +29,11 @@ namespace {
 namespace fs = std::filesystem;
 
 // The flags that must not change across --resume (they decide which data each step sees).
-nlohmann::json run_flags(const TrainOptions& o, const TokenStream& data, const ModelChoice& model) {
+nlohmann::json run_flags(const TrainOptions& o, const std::string& data, const ModelChoice& model) {
   return {{"seq_len", o.io.seq_len},
           {"global_batch", o.global_batch},
           {"seed", o.io.seed},
-          {"data", data.description},
+          {"data", data},
           {"model", model.description},
           {"lr", o.lr},
           {"min_lr_ratio", o.min_lr_ratio},
@@ -89,6 +90,9 @@ struct TrainInputs {
   ModelChoice model;
   TokenStream data;
   std::optional<TokenStream> held_out_data;
+  // --format sft: the examples instead of `data` / `held_out_data`.
+  std::optional<SftSequences> sft;
+  std::optional<SftSequences> held_out_sft;
   std::optional<fs::path> resume_from;
   std::optional<train::TrainerState> resumed;
   bool replace_earlier = false;
@@ -97,6 +101,10 @@ struct TrainInputs {
   std::vector<std::string> warnings;
   std::optional<MixedPrecisionPolicy> mp_policy;
 };
+
+const std::string& data_description(const TrainInputs& in) {
+  return in.sft ? in.sft->description : in.data.description;
+}
 
 // Where the run starts: its checkpoint (--resume), or a fresh start that may replace an earlier
 // run (--overwrite, or --resume auto without a complete checkpoint).
@@ -132,7 +140,9 @@ void find_start(const TrainOptions& o, TrainInputs& in) {
 // The held-out data: --eval-data, else the eval split when training on the train split.
 void find_held_out_data(const TrainOptions& o, TrainInputs& in) {
   if (o.eval_every.value_or(1) <= 0) return;
-  if (o.eval_data) {
+  if (o.eval_data && o.io.sft()) {
+    in.held_out_sft = load_checked_sft(*o.eval_data, o.io, in.model);
+  } else if (o.eval_data) {
     ModelDataOptions held = o.io;
     held.data = o.eval_data;
     held.split = "all";
@@ -151,7 +161,8 @@ void find_held_out_data(const TrainOptions& o, TrainInputs& in) {
 // A resumed run: its flags must fit the checkpoint, which must be before --steps (or, under
 // --resume auto, the run is complete) and hold valid optimizer state.
 void check_resumed(const TrainOptions& o, TrainInputs& in) {
-  check_resume_flags(in.resumed->run, run_flags(o, in.data, in.model), *in.resume_from);
+  check_resume_flags(in.resumed->run, run_flags(o, data_description(in), in.model),
+                     *in.resume_from);
   in.model.description = in.resume_from->string() + " (resumed)";
   if (in.resumed->step >= o.steps && o.resume == ResumeMode::automatic) {
     // A restart after the last checkpoint (a rank that died in teardown): nothing to do.
@@ -190,7 +201,11 @@ TrainInputs check_inputs(const TrainOptions& o) {
     check_not_quantized(in.model, "train");
     check_tensor_parallel(o.io.tensor_parallel, in.model.config);
     check_expert_parallel(o.io.expert_parallel, o.io.tensor_parallel, in.model.config);
-    in.data = load_checked_data(o.io, DataSplit::train, in.model, "train");
+    if (o.io.sft()) {
+      in.sft = load_checked_sft(*o.io.data, o.io, in.model);
+    } else {
+      in.data = load_checked_data(o.io, DataSplit::train, in.model, "train");
+    }
     find_held_out_data(o, in);
     if (in.resumed) check_resumed(o, in);
   });
@@ -220,8 +235,8 @@ std::string describe_micro_batches(const train::Trainer& trainer) {
 
 // The log's opening lines: layout and model, tokenizer, precision, objective, data, held-out.
 void log_start(const TrainOptions& o, const TrainInputs& in, const JobLayout& layout,
-               train::Trainer& trainer, const Windows& windows,
-               const std::optional<Windows>& held_out) {
+               train::Trainer& trainer, const train::SequenceSource& data,
+               const std::optional<train::SequenceSource>& held_out) {
   hf::CausalLM& model = trainer.model();
   say("mdist train: " + describe_layout(layout) + ", model " + in.model.description);
   say("mdist train: " + tokenizer_line(in.model));
@@ -229,7 +244,7 @@ void log_start(const TrainOptions& o, const TrainInputs& in, const JobLayout& la
   if (model->config.moe) {
     say("mdist train: " + train::describe_aux_loss_weight(model->config, o.router_aux_loss_coef));
   }
-  say("mdist train: data " + in.data.description + ", " + std::to_string(windows.count()) +
+  say("mdist train: data " + data.description + ", " + std::to_string(data.count) +
       " sequences of " + std::to_string(o.io.seq_len) + " tokens; global batch " +
       std::to_string(o.global_batch) + " (" + std::to_string(trainer.local_batch()) +
       " per data-parallel rank, " + describe_micro_batches(trainer) + "), steps " +
@@ -238,10 +253,10 @@ void log_start(const TrainOptions& o, const TrainInputs& in, const JobLayout& la
                         (o.io.model_dir ? "; --model is only where a fresh run starts" : "") + ")"
        : o.resume == ResumeMode::automatic ? " (--resume auto: no checkpoint yet, starting)"
                                            : ""));
-  say(held_out ? "mdist train: held-out loss on " + in.held_out_data->description + " (" +
+  say(held_out ? "mdist train: held-out loss on " + held_out->description + " (" +
                      std::to_string(o.eval_max_sequences > 0
-                                        ? std::min(o.eval_max_sequences, held_out->count())
-                                        : held_out->count()) +
+                                        ? std::min(o.eval_max_sequences, held_out->count)
+                                        : held_out->count) +
                      " sequences) " +
                      (o.eval_every ? "every " + std::to_string(*o.eval_every) + " steps"
                                    : std::string("at each checkpoint"))
@@ -315,7 +330,7 @@ void finish(const TrainOptions& o, const TrainInputs& in, const train::Trainer& 
   metrics.close();
   const auto points = train::metric_points(metrics.path(), "loss");
   io::write_file_atomically(o.out / "loss.svg",
-                            loss_curve_svg(points, "mdist train: " + in.data.description,
+                            loss_curve_svg(points, "mdist train: " + data_description(in),
                                            train::metric_points(metrics.path(), "eval_loss")));
   const int skipped = trainer.state().skipped_steps;
   say("mdist train: done; final loss " +
@@ -339,13 +354,23 @@ int run_train(const TrainOptions& o) {
         " of --steps " + std::to_string(o.steps) + "); nothing to do, nothing written");
     return 0;
   }
-  const Windows windows(in.data, o.io.seq_len, "train");
-  std::optional<Windows> held_out_windows;
-  if (in.held_out_data)
-    held_out_windows.emplace(*in.held_out_data, o.io.seq_len, "train (held out)");
+  // The sequences: windows of the token stream, or the SFT examples' rows; each source reads
+  // from what it was made of, which lives here until the run ends.
+  std::optional<Windows> windows, held_out_windows;
+  train::SequenceSource data;
   std::optional<train::SequenceSource> held_out;
-  if (held_out_windows)
-    held_out = sequence_source(*held_out_windows, in.held_out_data->description);
+  if (in.sft) {
+    data = sft_source(*in.sft, std::make_shared<WindowOrder>(in.sft->rows(), o.io.seed));
+    if (in.held_out_sft) held_out = sft_source(*in.held_out_sft);
+  } else {
+    windows.emplace(in.data, o.io.seq_len, "train");
+    data = sequence_source(*windows, in.data.description,
+                           std::make_shared<WindowOrder>(windows->count(), o.io.seed));
+    if (in.held_out_data) {
+      held_out_windows.emplace(*in.held_out_data, o.io.seq_len, "train (held out)");
+      held_out = sequence_source(*held_out_windows, in.held_out_data->description);
+    }
+  }
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
   hf::ParallelModel built = build_wrapped_model(in.model, o.io.seed, layout, in.mp_policy);
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
@@ -359,11 +384,9 @@ int run_train(const TrainOptions& o) {
   const hf::LlamaConfig config = built.model->config;
   const double aux_weight = train::aux_loss_weight(config, o.router_aux_loss_coef);
   auto loss = std::make_unique<train::CausalLmLoss>(config, aux_weight);
-  train::Trainer trainer(std::move(built), layout.parallel,
-                         sequence_source(windows, in.data.description,
-                                         std::make_shared<WindowOrder>(windows.count(), o.io.seed)),
+  train::Trainer trainer(std::move(built), layout.parallel, data,
                          trainer_options(o, in.fault_steps), std::move(loss),
-                         run_flags(o, in.data, in.model));
+                         run_flags(o, data_description(in), in.model));
   if (rank() == 0) fs::create_directories(o.out);
   if (in.resumed) trainer.resume(*in.resume_from, *in.resumed);
   std::optional<train::MetricsWriter> metrics;
@@ -371,7 +394,7 @@ int run_train(const TrainOptions& o) {
     metrics.emplace(o.out / "metrics.jsonl",
                     in.resumed ? std::optional<int>(trainer.state().step) : std::nullopt);
   }
-  log_start(o, in, layout, trainer, windows, held_out_windows);
+  log_start(o, in, layout, trainer, data, held_out);
   run_steps(o, in, trainer, held_out, metrics);
   if (metrics) finish(o, in, trainer, *metrics);
   return 0;

@@ -9,6 +9,7 @@ namespace mdist::cli {
 
 void declare_train_flags(CLI::App& app, TrainOptions& o) {
   declare_model_data_flags(app, o.io);
+  declare_sft_flags(app, o.io);
   app.add_option("--out", o.out, "Run directory: metrics.jsonl, loss.svg, checkpoints/")
       ->capture_default_str()
       ->type_name("DIR");
@@ -84,6 +85,7 @@ void check_train_flags(const TrainOptions& o, int world) {
   check_at_least(o.global_batch, 1, "--global-batch");
   check_tensor_parallel_size(tp, world);
   check_expert_parallel_size(o.io.expert_parallel, tp, world);
+  check_sft_flags(o.io);
   if (o.global_batch % dp != 0) {
     throw InputError("--global-batch " + std::to_string(o.global_batch) +
                      " is not divisible by the data-parallel size " + std::to_string(dp));

@@ -329,6 +329,19 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
   if (positions.dim() == 1) positions = positions.unsqueeze(0);
   const auto [cos, sin] = rotary.cos_sin(positions.expand({batch, time}), h.scalar_type());
 
+  // Packed sequences, as transformers' training detects them (masking_utils'
+  // find_packed_sequence_indices): with position ids, no attention mask and no cache, a row
+  // whose positions do not go up by one from a token to the next holds several documents, a
+  // new one starting at each such break. documents [B, T] numbers them within the row; a query
+  // then attends only to keys of its own document (a block-diagonal causal mask, windows
+  // counted within it). Undefined when no row has a break: plain causal attention.
+  at::Tensor documents;
+  if (position_ids.defined() && !attention_mask.defined() && cache == nullptr && time > 1) {
+    const at::Tensor rows = positions.expand({batch, time});
+    documents = rows.diff(1, -1, rows.narrow(1, 0, 1) - 1).ne(1).cumsum(-1);
+    if (!documents.select(1, time - 1).ne(0).any().item<bool>()) documents = at::Tensor();
+  }
+
   // The attention mask [B, 1, T, keys] over cache indices for a window (none: full causal):
   // undefined (plain causal) unless padding or the window matters, or queries follow cached
   // keys (scaled_dot_product_attention's is_causal aligns the triangle to the first key, not
@@ -338,7 +351,10 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
   const auto mask_of = [&](std::optional<int64_t> window) {
     at::Tensor mask;
     const bool windowed = window && keys > *window;
-    if (!attention_mask.defined() && !windowed && (past == 0 || single_query)) return mask;
+    if (!attention_mask.defined() && !documents.defined() && !windowed &&
+        (past == 0 || single_query)) {
+      return mask;
+    }
     const auto long_options = torch::TensorOptions().dtype(at::kLong).device(device);
     const at::Tensor query = torch::arange(past, keys, long_options);
     const at::Tensor key = torch::arange(keys, long_options);
@@ -348,6 +364,9 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
     mask = allowed.view({1, 1, time, keys});
     if (attention_mask.defined()) {
       mask = mask.logical_and(attention_mask.to(at::kBool).view({batch, 1, 1, keys}));
+    }
+    if (documents.defined()) {  // no cache: keys are the queries
+      mask = mask.logical_and(documents.unsqueeze(2).eq(documents.unsqueeze(1)).unsqueeze(1));
     }
     mask = mask.expand({batch, 1, time, keys});
     // A query that may attend to no key (a left-padding position) attends to all instead,

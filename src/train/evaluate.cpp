@@ -36,7 +36,7 @@ HeldOutLoss held_out_loss(hf::CausalLM& model, const hf::Parallelism& parallelis
                                    plan.windows.begin() + static_cast<std::ptrdiff_t>(first) + real)
             : std::vector<int64_t>{0};
     const Batch batch = data.rows(which).to(compute_device());
-    const at::Tensor logits = model->forward(batch.ids, batch.attention_mask);
+    const at::Tensor logits = model->forward(batch.ids, batch.attention_mask, batch.position_ids);
     if (real == 0) continue;
     // Per-token losses summed in double: the total must not depend on how the sequences were
     // grouped into batches and ranks. Labels of -100 (a prompt, padding) add 0 and no token.

@@ -17,12 +17,13 @@ at::Tensor narrowed(const at::Tensor& t, std::int64_t first, std::int64_t count)
 }  // namespace
 
 Batch Batch::to(const c10::Device& device) const {
-  return {to_device(ids, device), to_device(labels, device), to_device(attention_mask, device)};
+  return {to_device(ids, device), to_device(labels, device), to_device(attention_mask, device),
+          to_device(position_ids, device)};
 }
 
 Batch Batch::narrow(std::int64_t first, std::int64_t count) const {
   return {narrowed(ids, first, count), narrowed(labels, first, count),
-          narrowed(attention_mask, first, count)};
+          narrowed(attention_mask, first, count), narrowed(position_ids, first, count)};
 }
 
 std::vector<Batch> Batch::split(std::int64_t size) const {

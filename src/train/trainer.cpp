@@ -139,7 +139,8 @@ Trainer::BatchTotals Trainer::run_batch(const Batch& batch, int step) {
   for (std::size_t k = 0; k < micro.size(); ++k) {
     // The last backward reduce-scatters the gradients accumulated over every micro-batch.
     if (k + 1 == micro.size()) sync.resume();
-    const at::Tensor logits = model_->forward(micro[k].ids, micro[k].attention_mask);
+    const at::Tensor logits =
+        model_->forward(micro[k].ids, micro[k].attention_mask, micro[k].position_ids);
     LossParts parts = (*loss_)(model_, parallelism_, logits, micro[k], normalisation);
     if (options_.nonfinite_steps.contains(step)) {
       const double nan = std::numeric_limits<double>::quiet_NaN();

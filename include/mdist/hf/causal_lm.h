@@ -175,6 +175,9 @@ struct DecoderModelImpl : torch::nn::Module {
   explicit DecoderModelImpl(const LlamaConfig& config, c10::Device device = c10::kCPU);
   // input_ids [B, T] (int64); attention_mask: undefined or [B, T] of 0/1 (1: a real token);
   // position_ids: undefined (0..T-1 for every row, as HF's forward) or [B, T] / [T].
+  // Packed sequences as transformers trains them: position_ids restarting at 0 for each
+  // document, no attention_mask and no cache; each token then attends only within its own
+  // document (block-diagonal causal mask, sliding windows within the document).
   // Returns the final hidden states [B, T, hidden].
   // With a cache (mdist/hf/kv_cache.h) holding P positions: attention_mask is undefined or
   // [B, P + T], position_ids default to P..P+T-1, and the new keys and values are appended.

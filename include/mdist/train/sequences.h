@@ -23,6 +23,11 @@ struct Batch {
   // (right padding: the causal mask already keeps real tokens from seeing it; a mixture of
   // experts' load-balancing loss leaves it out, as transformers' does with the mask).
   at::Tensor attention_mask{};
+  // Undefined: positions 0..T-1 in every row. Else [B, T] int64: packed sequences (several
+  // documents per row), each document's positions restarting at 0; the model then masks
+  // attention per document (hf::DecoderModelImpl::forward, as transformers' packed training),
+  // and `attention_mask` stays undefined.
+  at::Tensor position_ids{};
 
   // The labels the loss takes: `labels`, or `ids` when there are none.
   const at::Tensor& targets() const { return labels.defined() ? labels : ids; }
