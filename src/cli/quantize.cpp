@@ -11,7 +11,8 @@
 // keeps its other files and gets each of the export's files replaced whole. Bad input is
 // agreed on before anything is created.
 //
-// Not implemented yet (refused with one line, exit 2): the formats int8_sq, int4_awq,
+// int8_sq (INT8_SMOOTHQUANT_CFG) calibrates with SmoothQuant (alpha 1.0) instead of max.
+// Not implemented yet (refused with one line, exit 2): the formats int4_awq,
 // w4a8_awq and nvfp4, --kv-cache, expert parallelism (--ep), --param-dtype, progress on a
 // terminal.
 #include <torch/torch.h>
@@ -46,30 +47,31 @@ using Seconds = std::chrono::duration<double>;
 
 // --format: the presets quant::QuantConfig knows, with the quant_algo their export writes.
 const std::map<std::string, std::string>& implemented_formats() {
-  static const std::map<std::string, std::string> formats = {{"fp8", "FP8"},
-                                                             {"int8", "W8A8_SQ_PER_CHANNEL"}};
+  static const std::map<std::string, std::string> formats = {
+      {"fp8", "FP8"}, {"int8", "W8A8_SQ_PER_CHANNEL"}, {"int8_sq", "W8A8_SQ_PER_CHANNEL"}};
   return formats;
 }
 
 // issue 28's other formats: named here so that they are refused as not implemented yet
 // rather than as unknown.
 const std::set<std::string>& planned_formats() {
-  static const std::set<std::string> formats = {"int8_sq", "int4_awq", "w4a8_awq", "nvfp4"};
+  static const std::set<std::string> formats = {"int4_awq", "w4a8_awq", "nvfp4"};
   return formats;
 }
 
 void check_format(const QuantizeOptions& o) {
   if (o.format.empty()) {
     throw InputError(
-        "--format is required: fp8 or int8 (modelopt's FP8_DEFAULT_CFG, INT8_DEFAULT_CFG)");
+        "--format is required: fp8, int8 or int8_sq (modelopt's FP8_DEFAULT_CFG, "
+        "INT8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG)");
   }
   if (planned_formats().contains(o.format)) {
     throw InputError("--format " + o.format +
-                     " is not implemented yet; the implemented formats are fp8 and int8");
+                     " is not implemented yet; the implemented formats are fp8, int8 and int8_sq");
   }
   if (!implemented_formats().contains(o.format)) {
     throw InputError("unknown --format '" + o.format +
-                     "'; the formats are fp8 and int8 (int8_sq, int4_awq, w4a8_awq and nvfp4 are "
+                     "'; the formats are fp8, int8 and int8_sq (int4_awq, w4a8_awq and nvfp4 are "
                      "not implemented yet)");
   }
   if (!o.kv_cache.empty()) {
@@ -320,9 +322,9 @@ int run_quantize(const QuantizeOptions& o) {
   say("mdist quantize: model " + in.choice.description);
   say("mdist quantize: " + tokenizer_line(in.choice));
   say("mdist quantize: format " + o.format + " (quant_algo " + implemented_formats().at(o.format) +
-      "), max calibration on " + std::to_string(calib_total) + " sequences of " +
-      std::to_string(o.io.seq_len) + " tokens from " + in.calib.description + ", " +
-      describe_layout(layout));
+      "), " + (config.algorithm == "smoothquant" ? "SmoothQuant" : "max") + " calibration on " +
+      std::to_string(calib_total) + " sequences of " + std::to_string(o.io.seq_len) +
+      " tokens from " + in.calib.description + ", " + describe_layout(layout));
 
   int64_t eval_tokens = 0;
   const double loss_before = held_out(model, built, eval_windows, in.eval, o, layout, eval_tokens);
@@ -379,7 +381,7 @@ int run_quantize(const QuantizeOptions& o) {
     const json report = {{"format", "mdist.quantize.v1"},
                          {"quant_format", o.format},
                          {"quant_algo", implemented_formats().at(o.format)},
-                         {"calibration", "max"},
+                         {"calibration", config.algorithm},
                          {"model", in.choice.description},
                          {"calibration_data", in.calib.description},
                          {"calibration_sequences", calib_total},

@@ -66,7 +66,10 @@ bool is_quantized_weight(const SafetensorsCheckpoint& checkpoint, const std::str
 }
 
 bool is_quantization_scale(const SafetensorsCheckpoint& checkpoint, const std::string& name) {
-  if (!name.ends_with(".weight_scale") && !name.ends_with(".input_scale")) return false;
+  if (!name.ends_with(".weight_scale") && !name.ends_with(".input_scale") &&
+      !name.ends_with(".pre_quant_scale")) {
+    return false;
+  }
   return is_quantized_weight(checkpoint, module_of(name) + ".weight");
 }
 

@@ -75,10 +75,9 @@ at::Tensor scaling_factor(const at::Tensor& amax, double maxbound) {
 // `weight_amax`: the whole layer's (under tensor parallelism, a column-parallel per-row amax
 // gathered from the ranks).
 void export_linear(const QuantizedLinear& q, LayerFormat format, const at::Tensor& weight_amax,
-                   std::map<std::string, at::Tensor>& tensors) {
+                   const at::Tensor& input_amax, std::map<std::string, at::Tensor>& tensors) {
   const at::Tensor weight = tensors.at(q.name + ".weight");
-  const at::Tensor input_scale =
-      scaling_factor(q.input_quantizer->amax(), q.input_quantizer->format().maxbound());
+  const at::Tensor input_scale = scaling_factor(input_amax, q.input_quantizer->format().maxbound());
   at::Tensor weight_scale;
   if (format == LayerFormat::fp8) {
     // modelopt's FP8 branch of `_export_quantized_weight`: amax to fp32, a 0-d scale
@@ -134,6 +133,85 @@ std::map<std::string, at::Tensor> whole_parameters(hf::CausalLM& model,
 // (quantize keeps it per shard, as modelopt): the tensor-parallel group's rows are joined at
 // their offsets (ranks sharing replicated KV heads send the same rows). Collective over the
 // tensor-parallel group for every such Linear, in module order.
+// A per-input-channel vector of `q` (SmoothQuant's scales) for the whole layer: a row-parallel
+// Linear's shards hold their own input channels, joined here at their column offsets; the other
+// layouts hold all channels. Collective over the tensor-parallel group for every row-parallel
+// Linear, in module order.
+at::Tensor whole_channels(const QuantizedLinear& q, const at::Tensor& local,
+                          const hf::Parallelism& parallelism) {
+  if (!parallelism.tensor_parallel_split()) return local;
+  const auto placement = parallelism.tensor_parallel->placement(q.name + ".weight");
+  if (placement.split != hf::TensorParallelPlacement::Split::kColumns) return local;
+  const auto parts = allgather(std::make_pair(placement.offset, local.detach().cpu()),
+                               parallelism.tensor_parallel->group());
+  at::Tensor whole = at::empty({placement.full_shape.at(1)}, local.options().device(at::kCPU));
+  for (const auto& [offset, values] : parts) whole.narrow(0, offset, values.size(0)).copy_(values);
+  return whole;
+}
+
+// The per-row amax of a weight as modelopt's max calibration takes it (in the weight's dtype).
+at::Tensor row_amax(const at::Tensor& weight) {
+  return at::maximum(at::amax(weight, {1}, /*keepdim=*/true).abs(),
+                     at::amin(weight, {1}, /*keepdim=*/true).abs());
+}
+
+// What one SmoothQuant layer exports, before and after modelopt's fused-layer preprocessing.
+struct Smoothed {
+  at::Tensor weight;           // the smoothed whole weight, in the model's dtype
+  at::Tensor pre_quant_scale;  // s, in the model's dtype
+  at::Tensor weight_amax;      // per row, from `weight`
+  at::Tensor input_amax;
+};
+
+// The Linears that read one tensor (modelopt finds them with a dummy forward; in the Llama-like
+// decoders mdist builds they are a parent's q/k/v and gate/up projections).
+std::string fusion_group(const std::string& name) {
+  const auto dot = name.rfind('.');
+  const std::string parent = name.substr(0, dot), leaf = name.substr(dot + 1);
+  if (leaf == "q_proj" || leaf == "k_proj" || leaf == "v_proj") return parent + ".qkv";
+  if (leaf == "gate_proj" || leaf == "up_proj") return parent + ".gate_up";
+  return name;
+}
+
+// modelopt's `requantize_resmooth_fused_llm_layers` / `preprocess_linear_fusion` for
+// SmoothQuant layers sharing an input: the group's pre_quant_scale becomes their mean (in the
+// model's dtype); a layer whose scale changes has its weight re-smoothed in fp32,
+// W * old / new, cast back, and its per-row amax taken again; every layer of the group gets
+// the group's largest input amax (which is not recomputed for the new scale, as modelopt's).
+void fuse_shared_inputs(const std::vector<std::string>& order,
+                        std::map<std::string, Smoothed>& layers) {
+  std::map<std::string, std::vector<std::string>> groups;
+  std::vector<std::string> group_order;
+  for (const auto& name : order) {
+    if (!layers.contains(name)) continue;
+    const std::string group = fusion_group(name);
+    if (!groups.contains(group)) group_order.push_back(group);
+    groups[group].push_back(name);
+  }
+  for (const auto& group : group_order) {
+    const auto& members = groups.at(group);
+    if (members.size() < 2) continue;
+    std::vector<at::Tensor> scales, input_amax;
+    for (const auto& m : members) {
+      scales.push_back(layers.at(m).pre_quant_scale);
+      input_amax.push_back(layers.at(m).input_amax);
+    }
+    const at::Tensor mean = at::mean(at::stack(scales), 0);
+    const at::Tensor largest = at::max(at::stack(input_amax));
+    for (const auto& m : members) {
+      Smoothed& layer = layers.at(m);
+      if (!at::equal(layer.pre_quant_scale, mean)) {
+        layer.weight = (layer.weight.to(at::kFloat) * layer.pre_quant_scale.to(at::kFloat) /
+                        mean.to(at::kFloat))
+                           .to(layer.weight.scalar_type());
+        layer.pre_quant_scale = mean;
+        layer.weight_amax = row_amax(layer.weight);
+      }
+      layer.input_amax = largest;
+    }
+  }
+}
+
 at::Tensor whole_weight_amax(const QuantizedLinear& q, const hf::Parallelism& parallelism) {
   const TensorQuantizer& quantizer = q.weight_quantizer;
   if (!quantizer->has_amax()) {
@@ -233,16 +311,37 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
 
   const at::NoGradGuard no_grad;
   std::map<std::string, at::Tensor> tensors = whole_parameters(model, parallelism);
-  std::map<std::string, at::Tensor> weight_amax;
+  std::map<std::string, at::Tensor> weight_amax, input_amax;
+  std::map<std::string, std::pair<at::Tensor, at::Tensor>> smoothing;  // 1 / s, s
+  std::vector<std::string> order;
   for (const auto& q : quantizers.linears()) {
-    if (layer_format(*q) != LayerFormat::none) {
-      weight_amax[q->name] = whole_weight_amax(*q, parallelism);
+    if (layer_format(*q) == LayerFormat::none) continue;
+    order.push_back(q->name);
+    weight_amax[q->name] = whole_weight_amax(*q, parallelism);
+    input_amax[q->name] = q->input_quantizer->amax();
+    if (q->smoothing.defined()) {
+      smoothing[q->name] = {whole_channels(*q, q->smoothing, parallelism),
+                            whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism)};
     }
   }
   if (mdist::is_initialized() && !mdist::is_master()) return;
+  // SmoothQuant: the smoothed weights (the model keeps its own), then modelopt's fused-layer
+  // preprocessing, which only changes layers with a pre_quant_scale.
+  std::map<std::string, Smoothed> smoothed;
+  for (const auto& [name, scales] : smoothing) {
+    const at::Tensor weight = smoothed_weight(tensors.at(name + ".weight"), scales.first.cpu());
+    smoothed[name] = {weight, scales.second.cpu(), row_amax(weight), input_amax.at(name).cpu()};
+  }
+  fuse_shared_inputs(order, smoothed);
+  for (const auto& [name, layer] : smoothed) {
+    tensors[name + ".weight"] = layer.weight;
+    tensors[name + ".pre_quant_scale"] = layer.pre_quant_scale;
+    weight_amax[name] = layer.weight_amax;
+    input_amax[name] = layer.input_amax;
+  }
   for (const auto& q : quantizers.linears()) {
     if (weight_amax.contains(q->name)) {
-      export_linear(*q, *format, weight_amax.at(q->name), tensors);
+      export_linear(*q, *format, weight_amax.at(q->name), input_amax.at(q->name), tensors);
     }
   }
   write_files(model, tensors, *format, summarize_exclude_modules(unquantized, quantized), dir);

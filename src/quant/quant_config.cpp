@@ -59,13 +59,19 @@ QuantFormat default_format(QuantizerRole role) {
   return role == QuantizerRole::weight ? QuantFormat::int8_per_row() : QuantFormat::int8();
 }
 
-std::vector<std::string> QuantConfig::preset_names() { return {"fp8", "int8"}; }
+std::vector<std::string> QuantConfig::preset_names() { return {"fp8", "int8", "int8_sq"}; }
 
 QuantConfig QuantConfig::preset(std::string_view name) {
   // FP8_DEFAULT_CFG: E4M3 per tensor, weights and inputs.
   if (name == "fp8") return make_preset("fp8", QuantFormat::fp8(), QuantFormat::fp8());
   // INT8_DEFAULT_CFG: weights per output row, inputs per tensor.
   if (name == "int8") return make_preset("int8", QuantFormat::int8_per_row(), QuantFormat::int8());
+  // INT8_SMOOTHQUANT_CFG: INT8_DEFAULT_CFG's quantizers, calibrated by SmoothQuant (alpha 1.0).
+  if (name == "int8_sq") {
+    QuantConfig config = make_preset("int8_sq", QuantFormat::int8_per_row(), QuantFormat::int8());
+    config.algorithm = "smoothquant";
+    return config;
+  }
   std::string known;
   for (const auto& preset : preset_names()) known += (known.empty() ? "" : ", ") + preset;
   throw InputError("mdist::quant: unknown quantization format '" + std::string(name) +

@@ -8,6 +8,7 @@
 
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
+#include "mdist/tp/collectives.h"
 #include "src/quant/amax_sync.h"
 
 namespace mdist::quant {
@@ -68,7 +69,58 @@ bool syncs_over_tp(TpSplit split, QuantizerRole role, const QuantFormat& format)
   return true;  // a row-parallel weight, per tensor or per output row
 }
 
+// SmoothQuant's statistics of one forward: max |x_c| over every dim but the last (modelopt's
+// input calibration with axis -1), and max_r |W_rc|, each a running max in its dtype.
+void collect_channels(QuantizedLinear& q, const at::Tensor& x) {
+  if (x.numel() == 0) return;
+  const at::NoGradGuard no_grad;
+  std::vector<int64_t> dims;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) dims.push_back(d);
+  const at::Tensor xd = x.detach();
+  const at::Tensor act = at::maximum(at::amax(xd, dims).abs(), at::amin(xd, dims).abs());
+  if (act.isnan().any().item<bool>() || act.isinf().any().item<bool>()) {
+    throw Error("mdist::quant: SmoothQuant calibration of " + q.name +
+                " met NaN or an infinite value in its input");
+  }
+  const at::Tensor weight = at::amax(q.linear->weight.detach().abs(), {0});
+  q.act_channel_amax = q.act_channel_amax.defined() ? at::maximum(q.act_channel_amax, act) : act;
+  q.weight_channel_amax = weight;  // the same weight in every forward
+}
+
+// modelopt's `max_calibrate(linear, lambda l: l.weight_quantizer(l.weight))` after smoothing:
+// the amax taken again from `weight`.
+void recalibrate(TensorQuantizer& quantizer, const at::Tensor& weight) {
+  quantizer->set_mode(Mode::calibrate);
+  quantizer(weight);
+  quantizer->load_calib_amax();
+  quantizer->reset_calibration();
+  quantizer->set_mode(Mode::quantize);
+}
+
+// MAX all-reduce of several tensors over `group`, in place (packed in fp32, which holds the
+// values of the narrower float dtypes exactly). Every rank passes the same shapes.
+void all_reduce_max(const std::vector<at::Tensor*>& tensors, const DistributedProcessGroup& group) {
+  if (tensors.empty() || !group.is_initialized() || !group.group().is_member() ||
+      group.world_size() <= 1) {
+    return;
+  }
+  std::vector<at::Tensor> parts;
+  for (const at::Tensor* t : tensors) parts.push_back(t->detach().to(at::kFloat).reshape({-1}));
+  at::Tensor buffer = at::cat(parts).contiguous();
+  tp::all_reduce_(buffer, group.group(), "max");
+  int64_t offset = 0;
+  for (at::Tensor* t : tensors) {
+    const int64_t n = t->numel();
+    *t = buffer.narrow(0, offset, n).view(t->sizes()).to(t->scalar_type()).clone();
+    offset += n;
+  }
+}
+
 }  // namespace
+
+at::Tensor smoothed_weight(const at::Tensor& weight, const at::Tensor& smoothing) {
+  return (weight * smoothing.to(weight.device()).unsqueeze(0)).to(weight.scalar_type());
+}
 
 ModelQuantizers::ModelQuantizers(hf::CausalLM& model, const QuantConfig& config)
     : model_(model), config_(config) {
@@ -101,6 +153,7 @@ void ModelQuantizers::install_hooks(QuantizedLinear& q) {
   hooks_.push_back(
       nn::register_forward_pre_hook(*q.linear, [&q](torch::nn::Module&, nn::TensorRefs& inputs) {
         if (inputs.empty()) return;
+        if (q.collect_channels) collect_channels(q, *inputs.front());
         if (q.input_quantizer->is_enabled()) *inputs.front() = q.input_quantizer(*inputs.front());
         if (!q.weight_quantizer->is_enabled()) return;
         if (q.weight_quantizer->mode() == Mode::calibrate) {
@@ -110,7 +163,13 @@ void ModelQuantizers::install_hooks(QuantizedLinear& q) {
         // The fake-quantized weight replaces the Linear's member (not its registered
         // parameter) for this call only; the hooks below put the original back.
         q.saved_weight = q.linear->weight;
-        q.linear->weight = q.weight_quantizer(q.saved_weight);
+        const at::Tensor weight =
+            q.smoothing.defined() ? smoothed_weight(q.saved_weight, q.smoothing) : q.saved_weight;
+        if (q.weight_amax_pending) {
+          recalibrate(q.weight_quantizer, weight);
+          q.weight_amax_pending = false;
+        }
+        q.linear->weight = q.weight_quantizer(weight);
       }));
   const auto restore = [&q] {
     if (!q.saved_weight.defined()) return;
@@ -199,20 +258,113 @@ void ModelQuantizers::sync_amax(const QuantizeOptions& options) {
 }
 
 void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeOptions& options) {
-  if (config_.algorithm != "max") {
+  const bool smoothquant = config_.algorithm == "smoothquant";
+  if (config_.algorithm != "max" && !smoothquant) {
     throw InputError("mdist::quant: calibration algorithm '" + config_.algorithm +
-                     "' is not supported (only 'max')");
+                     "' is not supported (only 'max' and 'smoothquant')");
   }
   if (options.parallelism.expert_parallel) {
     throw Error("mdist::quant: quantize does not support expert-parallel models yet");
   }
   const bool weights_from_forward = is_fsdp2_model(*model_);
+  if (smoothquant && !forward_loop) {
+    throw InputError("mdist::quant: SmoothQuant needs a forward loop (calibration data)");
+  }
+  for (const auto& q : linears_) {
+    q->collect_channels =
+        smoothquant && q->input_quantizer->is_enabled() && q->weight_quantizer->is_enabled();
+  }
   set_mode(Mode::calibrate);
   if (!weights_from_forward) calibrate_weights_directly();
   if (forward_loop) forward_loop(model_);
+  for (const auto& q : linears_) q->collect_channels = false;
   load_calib_amax(weights_from_forward);
   sync_amax(options);
   set_mode(Mode::quantize);
+  if (smoothquant) smooth(forward_loop, options, weights_from_forward);
+}
+
+// modelopt's smoothquant `postprocess` and `apply_pre_quant_scale_and_smooth`, per Linear
+// whose input and weight quantizers are both 8-bit integers (modelopt skips the others).
+void ModelQuantizers::smooth(const ForwardLoop& forward_loop, const QuantizeOptions& options,
+                             bool weights_from_forward) {
+  const double alpha = config_.smoothquant_alpha;
+  std::vector<QuantizedLinear*> smoothed;
+  for (const auto& q : linears_) {
+    if (!q->input_quantizer->is_enabled() || !q->weight_quantizer->is_enabled()) continue;
+    const QuantFormat& x = q->input_quantizer->format();
+    const QuantFormat& w = q->weight_quantizer->format();
+    if (!x.is_integer() || x.num_bits() != 8 || !w.is_integer() || w.num_bits() != 8) continue;
+    if (!q->act_channel_amax.defined()) {
+      throw Error("mdist::quant: SmoothQuant: " + q->name +
+                  " never ran in the calibration loop; its input has no per-channel maximum");
+    }
+    smoothed.push_back(q.get());
+  }
+  // The per-channel maxima: MAX over the data-parallel group (max_calibrate's sync of an
+  // axis -1 input amax), and for a column-parallel Linear over the tensor-parallel group too
+  // (its rows, so max_r |W_rc|, are split; its input is whole on every rank).
+  std::vector<at::Tensor*> over_dp, over_tp;
+  for (QuantizedLinear* q : smoothed) {
+    over_dp.push_back(&q->act_channel_amax);
+    if (tp_split(options.parallelism, q->name) == TpSplit::column) {
+      over_tp.push_back(&q->act_channel_amax);
+      over_tp.push_back(&q->weight_channel_amax);
+    }
+  }
+  all_reduce_max(over_dp, options.parallel.data_parallel_group);
+  all_reduce_max(over_tp, options.parallel.tensor_parallel_group);
+
+  std::vector<detail::AmaxToSync> input_over_tp, weight_over_tp;
+  for (QuantizedLinear* q : smoothed) {
+    const at::NoGradGuard no_grad;
+    const auto dtype = q->linear->weight.scalar_type();
+    const at::Tensor act = q->act_channel_amax.to(at::kFloat);
+    // The weight's maximum in its dtype, raised to 1 - alpha there; the division by the fp32
+    // activation maximum promotes to fp32.
+    at::Tensor s = q->weight_channel_amax.to(act.device()).pow(1.0 - alpha) / act.pow(alpha);
+    constexpr double kEpsilon = 1.0 / static_cast<double>(int64_t{1} << 31);
+    if (s.min().item<double>() <= kEpsilon) s = at::where(act <= kEpsilon, at::ones_like(s), s);
+    s = s.clamp(1e-4, 1e4);
+    if (!(s > 0).all().item<bool>()) {
+      throw Error("mdist::quant: SmoothQuant: " + q->name + " got a non-positive smoothing scale");
+    }
+    q->input_quantizer->set_pre_quant_scale(s.to(dtype));
+    q->smoothing = s.reciprocal();
+    q->input_quantizer->set_amax((act.to(dtype) * s).amax().to(dtype));
+    const TpSplit split = tp_split(options.parallelism, q->name);
+    if (split != TpSplit::none) {
+      input_over_tp.push_back({q->name + ".input_quantizer", q->input_quantizer});
+    }
+    if (split == TpSplit::row) {
+      weight_over_tp.push_back({q->name + ".weight_quantizer", q->weight_quantizer});
+    }
+    if (weights_from_forward) {
+      q->weight_amax_pending = true;
+    } else {
+      recalibrate(q->weight_quantizer, smoothed_weight(q->linear->weight, q->smoothing));
+    }
+  }
+  const c10::Device device =
+      linears_.empty() ? c10::Device(c10::kCPU) : linears_.front()->linear->weight.device();
+  detail::sync_amax_max(input_over_tp, options.parallel.tensor_parallel_group, device);
+  if (weights_from_forward) {
+    // The whole weights exist only inside the forwards of a fully_shard model: a second pass
+    // of the loop takes each smoothed weight's amax in its first forward.
+    forward_loop(model_);
+    for (QuantizedLinear* q : smoothed) {
+      if (q->weight_amax_pending) {
+        throw Error("mdist::quant: SmoothQuant: " + q->name +
+                    " did not run in the second calibration pass");
+      }
+    }
+  }
+  // A row-parallel per-row weight amax: MAX over the input-channel shards.
+  detail::sync_amax_max(weight_over_tp, options.parallel.tensor_parallel_group, device);
+  for (QuantizedLinear* q : smoothed) {
+    q->act_channel_amax = at::Tensor();
+    q->weight_channel_amax = at::Tensor();
+  }
 }
 
 std::unique_ptr<ModelQuantizers> quantize(hf::CausalLM& model, const QuantConfig& config,

@@ -42,6 +42,19 @@ std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& mod
     TensorQuantizer& input = q->input_quantizer;
     // fp32, on the device the model computes on (the fake quant meets its inputs there).
     input->set_amax((scale.reshape({}) * input->format().maxbound()).to(device));
+    // SmoothQuant (INT8_SMOOTHQUANT_CFG's export): the input is multiplied by s before its
+    // quantizer, as the smoothed weights stored here expect.
+    const std::string smoothing = q->name + ".pre_quant_scale";
+    if (checkpoint.contains(smoothing)) {
+      const at::Tensor pre_quant_scale = checkpoint.tensor(smoothing);
+      if (pre_quant_scale.dim() != 1 || pre_quant_scale.size(0) != q->linear->weight.size(1)) {
+        throw Error("mdist::quant: checkpoint '" + dir.string() + "': " + smoothing +
+                    " has shape " + c10::str(pre_quant_scale.sizes()) +
+                    "; one value per input channel (" + std::to_string(q->linear->weight.size(1)) +
+                    ") is read back");
+      }
+      input->set_pre_quant_scale(pre_quant_scale.to(device));
+    }
     input->set_mode(TensorQuantizerImpl::Mode::quantize);
   }
   return quantizers;

@@ -8,7 +8,8 @@ The environment (modelopt is never a run-time dependency of mdist): see make_fix
 For each architecture a seeded random model is built with transformers in fp32 (and
 ptq_qwen3_bf16: the Qwen3 model in bf16) and saved with
 save_pretrained (config.json + model.safetensors: the checkpoint the C++ test loads). Then, on
-CPU, for each preset (fp8 = mtq.FP8_DEFAULT_CFG, int8 = mtq.INT8_DEFAULT_CFG), a fresh copy of
+CPU, for each preset (fp8 = mtq.FP8_DEFAULT_CFG, int8 = mtq.INT8_DEFAULT_CFG, int8_sq =
+mtq.INT8_SMOOTHQUANT_CFG: SmoothQuant with alpha 1.0), a fresh copy of
 that model goes through modelopt's own
     mtq.quantize(model, CFG, lambda m: [m(input_ids=b) for b in calib])
 and expected.safetensors records:
@@ -18,6 +19,8 @@ and expected.safetensors records:
   <preset>.loss    f32 []: the quantized model's loss on eval_ids
   <preset>.<quantizer name>._amax   every `_amax` buffer modelopt's state dict holds after
                    quantize (e.g. fp8.model.layers.0.self_attn.q_proj.weight_quantizer._amax)
+  <preset>.<quantizer name>._pre_quant_scale   SmoothQuant's per-channel scales (int8_sq), in
+                   the model's dtype
   <preset>.enabled int64 [n]: 1 where the quantizer named in metadata "<preset>.quantizers"
                    (comma-separated, model order) is enabled after quantize, else 0; metadata
                    "<preset>.parents" names the class of each one's module as modelopt's
@@ -62,7 +65,8 @@ ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(rope_theta=1000000.0, head_dim=8,
                                                   tie_word_embeddings=False)),
 }
-PRESETS = {"fp8": mtq.FP8_DEFAULT_CFG, "int8": mtq.INT8_DEFAULT_CFG}
+PRESETS = {"fp8": mtq.FP8_DEFAULT_CFG, "int8": mtq.INT8_DEFAULT_CFG,
+           "int8_sq": mtq.INT8_SMOOTHQUANT_CFG}
 BATCHES, ROWS, T = 3, 2, 16
 
 
@@ -156,6 +160,10 @@ def write(arch, config_cls, model_cls, extra, dtype=torch.float32):
         amax = {k: v for k, v in quantized.state_dict().items() if k.endswith("._amax")}
         for key, value in amax.items():
             tensors[f"{preset}.{key}"] = value.float()
+        # SmoothQuant's per-input-channel scales, in the weights' dtype as modelopt keeps them.
+        for key, value in quantized.state_dict().items():
+            if key.endswith("._pre_quant_scale"):
+                tensors[f"{preset}.{key}"] = value
         # modelopt's unified HF export of the same quantized model (it modifies the model).
         # dtype given: without it modelopt 0.47 takes transformers 5's config.dtype, here the
         # string "float32", and fails in weight.to("float32") ("Invalid device string").

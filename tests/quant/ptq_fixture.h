@@ -44,17 +44,28 @@ class PtqFixture {
 
   // "<preset>.<quantizer>._amax" entries of the fixture, keyed without the preset prefix.
   std::map<std::string, at::Tensor> amax(const std::string& preset) const {
+    return buffers(preset, "._amax");
+  }
+  // "<preset>.<quantizer>._pre_quant_scale" entries (SmoothQuant), keyed likewise.
+  std::map<std::string, at::Tensor> pre_quant_scales(const std::string& preset) const {
+    return buffers(preset, "._pre_quant_scale");
+  }
+
+ private:
+  std::map<std::string, at::Tensor> buffers(const std::string& preset,
+                                            const std::string& suffix) const {
     std::map<std::string, at::Tensor> out;
     const std::string prefix = preset + ".";
     for (const auto& name : file_.names()) {
-      if (name.rfind(prefix, 0) == 0 && name.size() > 6 &&
-          name.compare(name.size() - 6, 6, "._amax") == 0) {
+      // "int8.<...>" must not take "int8_sq.<...>": the prefix includes the dot.
+      if (name.rfind(prefix, 0) == 0 && name.ends_with(suffix)) {
         out.emplace(name.substr(prefix.size()), tensor(name));
       }
     }
     return out;
   }
 
+ public:
  private:
   hf::SafetensorsFile file_;
 };
@@ -69,6 +80,22 @@ inline ForwardLoop forward_batches(const PtqFixture& fixture, std::vector<int64_
 
 inline double relative(double actual, double expected) {
   return std::abs(actual - expected) / std::abs(expected);
+}
+
+// The same shape and every value within `tolerance` relative (SmoothQuant's scales: fp32
+// pow and division, which libtorch and PyTorch may vectorise differently).
+inline ::testing::AssertionResult close_values(const at::Tensor& actual, const at::Tensor& expected,
+                                               double tolerance) {
+  if (actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure()
+           << "shape " << actual.sizes() << " vs " << expected.sizes();
+  }
+  const at::Tensor a = actual.to(at::kDouble), e = expected.to(at::kDouble);
+  const double worst = ((a - e).abs() / e.abs()).max().item<double>();
+  if (!(worst <= tolerance)) {
+    return ::testing::AssertionFailure() << "max relative difference " << worst;
+  }
+  return ::testing::AssertionSuccess();
 }
 
 // Bit-exact: the same shape and values (compared in fp32; modelopt's fp32 amax).

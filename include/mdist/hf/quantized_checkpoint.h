@@ -45,7 +45,8 @@ namespace detail {
 
 // `name` (".weight") is stored as float8_e4m3fn or int8 with a `<module>.weight_scale` beside it.
 bool is_quantized_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name);
-// `name` is the weight_scale or input_scale of a module whose weight is quantized.
+// `name` is the weight_scale, input_scale or (SmoothQuant) pre_quant_scale of a module whose
+// weight is quantized.
 bool is_quantization_scale(const SafetensorsCheckpoint& checkpoint, const std::string& name);
 // Rows [first_row, first_row + rows) of a quantized weight (all rows when rows < 0),
 // dequantized to fp32. Throws Error for a weight_scale that is neither one value nor one per row.

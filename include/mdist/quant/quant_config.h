@@ -49,8 +49,9 @@ struct ResolvedQuantizer {
 
 struct QuantConfig {
   // modelopt's preset names, lower case, as `mdist quantize --format` will take them:
-  // "fp8" (FP8_DEFAULT_CFG), "int8" (INT8_DEFAULT_CFG). Throws InputError naming the known
-  // presets for any other name.
+  // "fp8" (FP8_DEFAULT_CFG), "int8" (INT8_DEFAULT_CFG), "int8_sq" (INT8_SMOOTHQUANT_CFG:
+  // int8's quantizers, algorithm "smoothquant"). Throws InputError naming the known presets
+  // for any other name.
   static QuantConfig preset(std::string_view name);
   // The names preset() knows.
   static std::vector<std::string> preset_names();
@@ -61,7 +62,11 @@ struct QuantConfig {
 
   std::string name;              // the preset's name ("fp8"), or the user's
   std::vector<QuantRule> rules;  // in order; later rules win
+  // "max" or "smoothquant" (modelopt's `algorithm` names).
   std::string algorithm = "max";
+  // SmoothQuant's migration strength (modelopt's SmoothQuantCalibConfig.alpha): the smoothing
+  // scale is max|W_c|^(1 - alpha) / max|x_c|^alpha. Only read by "smoothquant".
+  double smoothquant_alpha = 1.0;
 };
 
 // modelopt 0.47's `_base_disable_all`: {"*": enable false}.

@@ -39,9 +39,22 @@
 // Then forward applies, per Linear, y = linear(input_quantizer(x), weight_quantizer(W), b)
 // with the straight-through backward (modelopt's default pass-through).
 //
+// SmoothQuant (algorithm "smoothquant", modelopt's `smoothquant`): during the loop above each
+// Linear also keeps max |x_c| per input channel and max_r |W_rc|; after the sync (those per-
+// channel maxima MAX over the data-parallel group, and for a column-parallel Linear over the
+// tensor-parallel group; a row-parallel Linear's shards own their channels),
+//   s_c = max_r|W_rc|^(1 - alpha) / max|x_c|^alpha   (fp32; channels with max|x_c| <= 2^-31
+//                                                     -> 1; clamped to [1e-4, 1e4]),
+// the input quantizer's pre_quant_scale is s (in the weights' dtype), the weight becomes
+// (W / s) in the weights' dtype (see QuantizedLinear::smoothing), the input amax
+// max_c(max|x_c| * s_c) per tensor (MAX over the tensor-parallel group) and the per-row weight
+// amax is taken again from the smoothed weight (a row-parallel one MAX over the tensor-parallel
+// group). A model wrapped by fully_shard runs the forward loop a second time for that. A
+// quantized Linear the loop never reached is an Error (modelopt leaves it unsmoothed).
+//
 // Not covered (Errors, or documented in docs/quantization.md): a tied head whose quantizers the
 // configuration enables (the tied head is no Linear module in mdist), calibration algorithms
-// other than max, KV-cache quantizers, expert parallelism.
+// other than max and smoothquant, KV-cache quantizers, expert parallelism.
 #include <functional>
 #include <map>
 #include <memory>
@@ -73,7 +86,7 @@ class ModelQuantizers;
 
 // Inserts the quantizers `config` enables into `model`, calibrates them on `forward_loop` and
 // turns fake quant on. Collective over the groups of `options` (every rank calls it). Throws
-// InputError for an algorithm other than "max" and Error as described above.
+// InputError for an algorithm other than "max" and "smoothquant" and Error as described above.
 std::unique_ptr<ModelQuantizers> quantize(hf::CausalLM& model, const QuantConfig& config,
                                           const ForwardLoop& forward_loop,
                                           const QuantizeOptions& options = {});
@@ -87,7 +100,26 @@ struct QuantizedLinear {
   TensorQuantizer weight_quantizer{nullptr};
   // The weight the Linear held before a quantized forward swapped in its fake-quantized copy.
   at::Tensor saved_weight;
+
+  // SmoothQuant (algorithm "smoothquant"). While `collect_channels` is set, every forward
+  // keeps the running max |x_c| per input channel (in the input's dtype) and the weight's
+  // max_r |W_rc| (its dtype): modelopt's per-channel input calibration (axis -1).
+  bool collect_channels = false;
+  at::Tensor act_channel_amax;
+  at::Tensor weight_channel_amax;
+  // 1 / s (fp32, [in_features] of this rank's weight): once set, the weight this Linear
+  // quantizes and multiplies is the smoothed (W * smoothing[None, :]).to(W's dtype), as
+  // modelopt folds 1 / s into the weight; the input quantizer's pre_quant_scale is s. The
+  // model's own parameter stays unsmoothed (it is smoothed in each forward and in export).
+  at::Tensor smoothing;
+  // The weight amax is taken from the smoothed weight in the next forward (a model wrapped by
+  // fully_shard holds its whole weight only there).
+  bool weight_amax_pending = false;
 };
+
+// modelopt's folding of SmoothQuant's 1 / s into a weight: (W * smoothing[None, :]) computed
+// in fp32 (the scale's dtype) and cast back to W's dtype.
+at::Tensor smoothed_weight(const at::Tensor& weight, const at::Tensor& smoothing);
 
 // The quantizers of one model and the hooks that apply them; removing the hooks on
 // destruction leaves the model as it was. Neither copyable nor movable (the hooks refer to it).
@@ -117,6 +149,8 @@ class ModelQuantizers {
   void calibrate_weights_directly();
   void load_calib_amax(bool weights_from_forward);
   void sync_amax(const QuantizeOptions& options);
+  void smooth(const ForwardLoop& forward_loop, const QuantizeOptions& options,
+              bool weights_from_forward);
 
   hf::CausalLM model_;
   QuantConfig config_;

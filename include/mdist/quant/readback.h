@@ -13,7 +13,11 @@
 // `input_scale` gets its input quantizer in the checkpoint's format (E4M3 for FP8, INT8 per
 // tensor for W8A8_SQ_PER_CHANNEL) with amax = input_scale x maxbound, frozen (no calibration;
 // quantize mode), through the same ModelQuantizers hooks quant::quantize installs. A Linear
-// without one (the exclude_modules: lm_head, routers) stays unquantized.
+// without one (the exclude_modules: lm_head, routers) stays unquantized. A SmoothQuant export
+// (INT8_SMOOTHQUANT_CFG: its weights are smoothed, W / s) also holds `pre_quant_scale` (s) per
+// Linear: the input quantizer multiplies its input by it first, as modelopt's does. Under
+// tensor parallelism a row-parallel Linear holds part of the input channels: a pre_quant_scale
+// there is refused (Error naming the sizes), not split.
 //
 // The fake-quant loss of the model quant::quantize returned and that of its export read back
 // differ by the export's rounding: the export divides W by the scale where fake quant
