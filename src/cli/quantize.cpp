@@ -74,6 +74,11 @@ void check_format(const QuantizeOptions& o) {
                      "'; the formats are fp8, int8 and int8_sq (int4_awq, w4a8_awq and nvfp4 are "
                      "not implemented yet)");
   }
+  if (o.format == "int8_sq" && o.io.tensor_parallel != 1) {
+    throw InputError("--format int8_sq with --tp " + std::to_string(o.io.tensor_parallel) +
+                     " is not supported yet (SmoothQuant's scales of a tensor-parallel model do "
+                     "not yet equal one rank's); quantize it without --tp");
+  }
   if (!o.kv_cache.empty()) {
     throw InputError("--kv-cache " + o.kv_cache +
                      " is not implemented yet (no KV-cache quantizers in mdist::quant); leave it "
