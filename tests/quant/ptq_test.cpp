@@ -150,9 +150,11 @@ TEST_P(Ptq, AmaxAndLossEqualModelopt) {
   }
   const auto expected_scales = fixture.pre_quant_scales(preset);
   EXPECT_EQ(expected_scales.empty(), !smoothquant);
+  // quantizers() returns a map by value: kept here, not referenced into a temporary.
+  const auto by_name = quantizers->quantizers();
   for (const auto& [name, scale] : expected_scales) {
     const std::string linear = name.substr(0, name.find(".input_quantizer."));
-    const auto& quantizer = quantizers->quantizers().at(linear + ".input_quantizer");
+    const auto& quantizer = by_name.at(linear + ".input_quantizer");
     ASSERT_TRUE(quantizer->pre_quant_scale().defined()) << name;
     EXPECT_TRUE(mdist::quant::testing::close_values(quantizer->pre_quant_scale(), scale, 1e-6))
         << name;
