@@ -129,10 +129,6 @@ std::map<std::string, at::Tensor> whole_parameters(hf::CausalLM& model,
   return parallelism.tensor_parallel->gather(local);
 }
 
-// The whole layer's weight amax. A column-parallel per-row amax holds this rank's rows only
-// (quantize keeps it per shard, as modelopt): the tensor-parallel group's rows are joined at
-// their offsets (ranks sharing replicated KV heads send the same rows). Collective over the
-// tensor-parallel group for every such Linear, in module order.
 // A per-input-channel vector of `q` (SmoothQuant's scales) for the whole layer: a row-parallel
 // Linear's shards hold their own input channels, joined here at their column offsets; the other
 // layouts hold all channels. Collective over the tensor-parallel group for every row-parallel
@@ -212,6 +208,10 @@ void fuse_shared_inputs(const std::vector<std::string>& order,
   }
 }
 
+// The whole layer's weight amax. A column-parallel per-row amax holds this rank's rows only
+// (quantize keeps it per shard, as modelopt): the tensor-parallel group's rows are joined at
+// their offsets (ranks sharing replicated KV heads send the same rows). Collective over the
+// tensor-parallel group for every such Linear, in module order.
 at::Tensor whole_weight_amax(const QuantizedLinear& q, const hf::Parallelism& parallelism) {
   const TensorQuantizer& quantizer = q.weight_quantizer;
   if (!quantizer->has_amax()) {
