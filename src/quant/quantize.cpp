@@ -263,6 +263,12 @@ void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeO
     throw InputError("mdist::quant: calibration algorithm '" + config_.algorithm +
                      "' is not supported (only 'max' and 'smoothquant')");
   }
+  // modelopt's SmoothQuantCalibConfig.alpha: ge=0, le=1 (NaN fails both).
+  const double alpha = config_.smoothquant_alpha;
+  if (smoothquant && !(alpha >= 0.0 && alpha <= 1.0)) {
+    throw InputError("mdist::quant: SmoothQuant alpha " + std::to_string(alpha) +
+                     " is outside [0, 1] (modelopt's SmoothQuantCalibConfig.alpha)");
+  }
   if (options.parallelism.expert_parallel) {
     throw Error("mdist::quant: quantize does not support expert-parallel models yet");
   }
