@@ -285,6 +285,7 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
     return with({"quantize", "--model", model, "--data", calib, "--seq-len", "16"}, more);
   };
   const fs::path fp8_export = fixture("llama") / "export_fp8";
+  const fs::path moe = qwen3_moe_model("moe", 4);
   struct Case {
     std::vector<std::string> args;
     std::string message;
@@ -302,6 +303,9 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
        "--sq-alpha nan is outside [0, 1]"},
       {base({"--format", "int8", "--sq-alpha", "0.5", "--out", out.string()}),
        "--sq-alpha is SmoothQuant's alpha: it needs --format int8_sq, not int8"},
+      {std::vector<std::string>{"quantize", "--model", moe.string(), "--data", calib, "--seq-len",
+                                "16", "--format", "int8_sq", "--out", out.string()},
+       "--format int8_sq is not supported for a mixture of experts yet"},
       {base({"--format", "fp8", "--kv-cache", "fp8", "--out", out.string()}),
        "--kv-cache fp8 is not implemented yet"},
       {base({"--format", "fp8", "--ep", "2", "--out", out.string()}),
