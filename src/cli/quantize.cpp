@@ -79,6 +79,14 @@ void check_format(const QuantizeOptions& o) {
                      " is not supported yet (SmoothQuant's scales of a tensor-parallel model do "
                      "not yet equal one rank's); quantize it without --tp");
   }
+  if (o.sq_alpha && o.format != "int8_sq") {
+    throw InputError("--sq-alpha is SmoothQuant's alpha: it needs --format int8_sq, not " +
+                     o.format);
+  }
+  if (o.sq_alpha && !(*o.sq_alpha >= 0.0 && *o.sq_alpha <= 1.0)) {
+    throw InputError("--sq-alpha " + flag_value(*o.sq_alpha) +
+                     " is outside [0, 1] (modelopt's SmoothQuantCalibConfig.alpha)");
+  }
   if (!o.kv_cache.empty()) {
     throw InputError("--kv-cache " + o.kv_cache +
                      " is not implemented yet (no KV-cache quantizers in mdist::quant); leave it "
@@ -146,6 +154,14 @@ QuantizeInputs check_inputs(const QuantizeOptions& o) {
     in.choice = model_for_inference(o.io.model_dir, o.default_run);
     check_not_quantized(in.choice, "quantize");
     check_tensor_parallel(o.io.tensor_parallel, in.choice.config);
+    if (o.format == "int8_sq" && in.choice.config.moe) {
+      // mdist::quant refuses it too (see ModelQuantizers): modelopt smooths only the attention
+      // layers of a mixture of experts, and mdist does not reproduce that yet.
+      throw InputError(
+          "--format int8_sq is not supported for a mixture of experts yet (modelopt smooths only "
+          "its attention layers and quantizes its fused experts unsmoothed, which mdist does not "
+          "reproduce); use --format int8 or fp8");
+    }
     in.calib = load_checked_data(o.io, DataSplit::train, in.choice, "quantize: calibration");
     // The held-out data as `mdist eval` reads it with the same flags: the embedded corpus's
     // eval split, or all of the file.
@@ -323,13 +339,18 @@ int run_quantize(const QuantizeOptions& o) {
   const int64_t calib_total = o.calib_sequences > 0
                                   ? std::min(o.calib_sequences, calib_windows.count())
                                   : calib_windows.count();
-  const quant::QuantConfig config = quant::QuantConfig::preset(o.format);
+  quant::QuantConfig config = quant::QuantConfig::preset(o.format);
+  if (o.sq_alpha) config.smoothquant_alpha = *o.sq_alpha;
   say("mdist quantize: model " + in.choice.description);
   say("mdist quantize: " + tokenizer_line(in.choice));
   say("mdist quantize: format " + o.format + " (quant_algo " + implemented_formats().at(o.format) +
-      "), " + (config.algorithm == "smoothquant" ? "SmoothQuant" : "max") + " calibration on " +
-      std::to_string(calib_total) + " sequences of " + std::to_string(o.io.seq_len) +
-      " tokens from " + in.calib.description + ", " + describe_layout(layout));
+      "), " +
+      (config.algorithm == "smoothquant"
+           ? "SmoothQuant (alpha " + flag_value(config.smoothquant_alpha) + ")"
+           : std::string("max")) +
+      " calibration on " + std::to_string(calib_total) + " sequences of " +
+      std::to_string(o.io.seq_len) + " tokens from " + in.calib.description + ", " +
+      describe_layout(layout));
 
   int64_t eval_tokens = 0;
   const double loss_before = held_out(model, built, eval_windows, in.eval, o, layout, eval_tokens);
@@ -383,31 +404,34 @@ int run_quantize(const QuantizeOptions& o) {
       io::write_file_atomically(staging / file.filename(), read_file(file));
     }
     const int tp = layout.tensor_parallel();
-    const json report = {{"format", "mdist.quantize.v1"},
-                         {"quant_format", o.format},
-                         {"quant_algo", implemented_formats().at(o.format)},
-                         {"calibration", config.algorithm},
-                         {"model", in.choice.description},
-                         {"calibration_data", in.calib.description},
-                         {"calibration_sequences", calib_total},
-                         {"seq_len", o.io.seq_len},
-                         {"held_out_data", in.eval.description},
-                         {"held_out_tokens", eval_tokens},
-                         {"loss_before", loss_before},
-                         {"loss_after", loss_after},
-                         {"layout",
-                          {{"world", mdist::size()},
-                           {"data_parallel", mdist::size() / tp},
-                           {"tensor_parallel", tp},
-                           {"description", describe_layout(layout)}}},
-                         {"seconds",
-                          {{"load", load_s},
-                           {"held_out_before", eval_before_s},
-                           {"calibrate", calibrate_s},
-                           {"held_out_after", eval_after_s},
-                           {"export", export_s},
-                           {"total", Seconds(std::chrono::steady_clock::now() - start).count()}}},
-                         {"modules", modules_json(amax)}};
+    const json report = {
+        {"format", "mdist.quantize.v1"},
+        {"quant_format", o.format},
+        {"quant_algo", implemented_formats().at(o.format)},
+        {"calibration", config.algorithm},
+        {"smoothquant_alpha",
+         config.algorithm == "smoothquant" ? json(config.smoothquant_alpha) : json(nullptr)},
+        {"model", in.choice.description},
+        {"calibration_data", in.calib.description},
+        {"calibration_sequences", calib_total},
+        {"seq_len", o.io.seq_len},
+        {"held_out_data", in.eval.description},
+        {"held_out_tokens", eval_tokens},
+        {"loss_before", loss_before},
+        {"loss_after", loss_after},
+        {"layout",
+         {{"world", mdist::size()},
+          {"data_parallel", mdist::size() / tp},
+          {"tensor_parallel", tp},
+          {"description", describe_layout(layout)}}},
+        {"seconds",
+         {{"load", load_s},
+          {"held_out_before", eval_before_s},
+          {"calibrate", calibrate_s},
+          {"held_out_after", eval_after_s},
+          {"export", export_s},
+          {"total", Seconds(std::chrono::steady_clock::now() - start).count()}}},
+        {"modules", modules_json(amax)}};
     io::write_file_atomically(staging / "quantize.json", report.dump(2) + "\n");
     publish(staging, *o.out);
     say("mdist quantize: wrote " + o.out->string() + " (unified HF checkpoint, quantize.json)");

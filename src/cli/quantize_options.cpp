@@ -15,6 +15,10 @@ void declare_quantize_flags(CLI::App& app, QuantizeOptions& o) {
                  "(INT8_SMOOTHQUANT_CFG: SmoothQuant, alpha 1.0, W8A8_SQ_PER_CHANNEL); int4_awq, "
                  "w4a8_awq and nvfp4 are not implemented yet")
       ->type_name("NAME");
+  app.add_option("--sq-alpha", o.sq_alpha,
+                 "--format int8_sq: SmoothQuant's migration strength alpha in [0, 1] (modelopt's "
+                 "SmoothQuantCalibConfig.alpha; default 1.0, as INT8_SMOOTHQUANT_CFG)")
+      ->type_name("A");
   app.add_option("--kv-cache", o.kv_cache, "KV-cache quantization (fp8): not implemented yet")
       ->type_name("FORMAT");
   app.add_option("--calib-sequences", o.calib_sequences,

@@ -20,13 +20,17 @@
 //     packed training). The first token of each example has label -100 (it is not predicted
 //     from the example before it), so a packed batch has exactly the predicted tokens of the
 //     padded one. A row's unused tail is padding: its own positions from 0, label -100.
-// The examples are held in memory (tensors [rows, T] of int64), every rank alike.
+// The rows are built when a batch asks for them, from the examples: held in memory for a JSON
+// Lines file (every rank alike), or read from the memory mapping of `mdist tokenize --format sft`
+// output (src/cli/sft_token_file.h). Both go through the same layout code, so that the two give
+// the same batches bit for bit.
 #include <ATen/ATen.h>
 
 #include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "mdist/hf/tokenizer.h"
 #include "mdist/train/sequences.h"
@@ -36,15 +40,36 @@
 
 namespace mdist::cli {
 
-struct SftSequences {
-  at::Tensor ids;             // [rows, T] int64
-  at::Tensor labels;          // [rows, T] int64, -100 where no loss is taken
-  at::Tensor attention_mask;  // padded: [rows, T] 0/1; packed: undefined
-  at::Tensor position_ids;    // packed: [rows, T] int64; padded: undefined
-  std::int64_t examples = 0;
-  std::string description;  // "FILE (sft, 12 examples, 80 completion tokens, packed: 3 rows)"
-  std::int64_t rows() const { return ids.size(0); }
+// Examples as the layout reads them: each a run of ids and, per id, whether the loss is taken
+// on it (a completion token).
+class SftExampleSet {
+ public:
+  virtual ~SftExampleSet() = default;
+  virtual std::int64_t count() const = 0;
+  virtual std::int64_t length(std::int64_t example) const = 0;
+  // Example `example`'s ids into ids[0, length) and its loss flags into loss[0, length).
+  virtual void read(std::int64_t example, std::int64_t* ids, unsigned char* loss) const = 0;
 };
+
+struct SftSequences {
+  std::shared_ptr<const SftExampleSet> examples;
+  // Row r holds the examples [row_starts[r], row_starts[r + 1]).
+  std::vector<std::int64_t> row_starts;
+  std::int64_t seq_len = 0;
+  bool packed = false;
+  std::int64_t pad_id = 0;  // the ids of padding (masked out of attention and loss)
+  std::string description;  // "FILE (sft, 12 examples, 80 completion tokens, packed into 3 rows)"
+  std::int64_t rows() const { return static_cast<std::int64_t>(row_starts.size()) - 1; }
+  // The rows `which` as a batch: ids and labels, with the attention mask (padded) or the
+  // position ids (packed).
+  train::Batch batch(const std::vector<std::int64_t>& which) const;
+};
+
+// `examples` laid out in rows of seq_len (padded or, with packing, packed); `name` and
+// `completion_tokens` for the description. Every example must fit in seq_len.
+SftSequences lay_out_sft(std::shared_ptr<const SftExampleSet> examples, const std::string& name,
+                         std::int64_t completion_tokens, std::int64_t seq_len, bool packing,
+                         std::int64_t pad_id);
 
 // Reads and tokenizes `path`. InputError (naming the file and its line) for a line that is
 // not a JSON object, lacks a string field, has an empty completion, or whose example has more
@@ -53,7 +78,9 @@ SftSequences load_sft(const std::filesystem::path& path, const hf::Tokenizer& to
                       const ModelDataOptions& options, std::int64_t seq_len,
                       std::int64_t vocab_size);
 // load_sft of `path` with `model`'s tokenizer (InputError when it has none) and vocabulary,
-// options.seq_len within the model's max_position_embeddings.
+// options.seq_len within the model's max_position_embeddings; or, when `path` is a token file
+// (.u16 / .u32, or --data-format u16 / u32), the output of `mdist tokenize --format sft` read
+// through its memory mapping (load_tokenized_sft), the tokenizer then optional (its EOS pads).
 SftSequences load_checked_sft(const std::filesystem::path& path, const ModelDataOptions& options,
                               const ModelChoice& model);
 

@@ -4,6 +4,9 @@
 // prompt-completion data (the rule: src/cli/sft_data.h). Blank lines are skipped.
 #include <cstdint>
 #include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "mdist/hf/tokenizer.h"
@@ -15,6 +18,16 @@ struct SftExample {
   std::vector<std::int32_t> ids;   // encode(prompt + completion, special tokens) + EOS
   std::int64_t prompt_tokens = 0;  // len(encode(prompt, special tokens)): ids carrying no loss
 };
+
+// The example of one line of such a file (without its '\n'; a trailing '\r' is dropped), or
+// nothing for a blank line. InputError, its message starting with `where` ("data file 'F' line
+// N"), for a line that is not a JSON object, lacks a string field, has an empty completion or
+// whose completion adds no token after the prompt's. Shared by read_sft_examples and
+// `mdist tokenize --format sft`, so that both tokenize a line alike.
+std::optional<SftExample> sft_example_of_line(std::string_view line, const hf::Tokenizer& tokenizer,
+                                              const std::string& prompt_field,
+                                              const std::string& completion_field,
+                                              const std::string& where);
 
 // The examples of `path` in file order, with options.prompt_field / completion_field.
 // InputError naming the file and its line for a line that is not a JSON object, lacks a

@@ -125,6 +125,16 @@ at::Tensor smoothed_weight(const at::Tensor& weight, const at::Tensor& smoothing
 ModelQuantizers::ModelQuantizers(hf::CausalLM& model, const QuantConfig& config)
     : model_(model), config_(config) {
   check_tied_head(model_, config_);
+  if (config_.algorithm == "smoothquant" && model_->config.moe) {
+    // modelopt 0.47 on transformers 5's Qwen3-MoE smooths only the attention Linears: the fused
+    // experts (_QuantFusedExperts) are not Linears to it, so they are max-calibrated without
+    // pre_quant_scale, one input quantizer per fused projection shared by every expert. mdist's
+    // experts are per-expert Linears and would be smoothed: refused rather than a wrong number.
+    throw InputError(
+        "mdist::quant: SmoothQuant on a mixture of experts is not supported yet (modelopt "
+        "smooths only its attention layers and quantizes its fused experts unsmoothed, which "
+        "mdist's per-expert layers do not reproduce); quantize it with int8 or fp8");
+  }
   for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
     auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(item.value());
     if (!linear) continue;
@@ -262,6 +272,12 @@ void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeO
   if (config_.algorithm != "max" && !smoothquant) {
     throw InputError("mdist::quant: calibration algorithm '" + config_.algorithm +
                      "' is not supported (only 'max' and 'smoothquant')");
+  }
+  // modelopt's SmoothQuantCalibConfig.alpha: ge=0, le=1 (NaN fails both).
+  const double alpha = config_.smoothquant_alpha;
+  if (smoothquant && !(alpha >= 0.0 && alpha <= 1.0)) {
+    throw InputError("mdist::quant: SmoothQuant alpha " + std::to_string(alpha) +
+                     " is outside [0, 1] (modelopt's SmoothQuantCalibConfig.alpha)");
   }
   if (options.parallelism.expert_parallel) {
     throw Error("mdist::quant: quantize does not support expert-parallel models yet");

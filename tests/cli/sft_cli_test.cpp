@@ -1,9 +1,12 @@
 // `mdist train` and `mdist eval` with --format sft (prompt / completion JSON Lines) through the
 // launcher: the same losses on 1 and 2 ranks and under --tp 2, packed (--packing) equal to
-// padded, and every bad input as one line, exit code 2, nothing written.
+// padded, and every bad input as one line, exit code 2, nothing written. `mdist tokenize
+// --format sft`: the same bytes on 1 and 2 ranks, and its output trains and evaluates to the
+// JSON Lines file's losses bit for bit.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -242,6 +245,193 @@ TEST_F(MdistSft, BadInputIsOneLineAndWritesNothing) {
   expect_refused(mdist(1, {"eval", "--model", bytes_model.string(), "--data", empty, "--format",
                            "sft", "--seq-len", "32", "--out", (out / "eval.json").string()}),
                  "eval", "--format sft needs the model's tokenizer", out);
+}
+
+// The tokenized SFT pair (ids + loss mask) of `mdist tokenize --format sft`: the same bytes on 1
+// and 2 ranks; one mask byte a token marking the examples and their completion tokens; and
+// train / eval on it give the JSON Lines file's losses bit for bit, padded and packed, on 1 and
+// 2 ranks.
+TEST_F(MdistSft, TokenizedFileGivesTheJsonLinesLosses) {
+  const auto dir = model();
+  const auto data = examples();
+  const auto one = dir_ / "one.u32";
+  const auto two = dir_ / "two.u32";
+  for (const auto& [ranks, out] : {std::pair{1, one}, std::pair{2, two}}) {
+    const auto r = mdist(ranks, {"tokenize", "--model", dir.string(), "--data", data.string(),
+                                 "--out", out.string(), "--format", "sft"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_THAT(r.out, HasSubstr("from 8 examples")) << r.out;
+  }
+  const std::string ids = read(one);
+  const std::string mask = read(fs::path(one.string() + ".mask"));
+  EXPECT_EQ(read(two), ids);
+  EXPECT_EQ(read(fs::path(two.string() + ".mask")), mask);
+  ASSERT_EQ(mask.size() * 4, ids.size());
+  int starts = 0, completion = 0;
+  for (const char c : mask) {
+    ASSERT_LE(static_cast<unsigned char>(c), 3);
+    starts += (c & 2) != 0;
+    completion += (c & 1) != 0;
+  }
+  EXPECT_EQ(starts, 8);
+
+  const std::vector<std::string> common = {"--model", dir.string(), "--format",
+                                           "sft",     "--seq-len",  "48"};
+  for (const bool packing : {false, true}) {
+    std::vector<std::string> flags = common;
+    if (packing) flags.push_back("--packing");
+    // eval: the same loss, the same completion tokens.
+    auto r = mdist(1, with(with({"eval", "--data", data.string()}, flags), {}));
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const double jsonl_eval = eval_loss(r);
+    const int rows = rows_of(r);
+    EXPECT_THAT(r.out, HasSubstr(std::to_string(completion) + " completion tokens"));
+    for (const int ranks : {1, 2}) {
+      r = mdist(ranks, with(with({"eval", "--data", one.string()}, flags), {}));
+      ASSERT_EQ(r.exit_code, 0) << describe(r);
+      EXPECT_EQ(eval_loss(r), jsonl_eval) << ranks << " ranks, packing " << packing;
+      EXPECT_EQ(rows_of(r), rows);
+      EXPECT_THAT(r.out, HasSubstr(std::to_string(completion) + " completion tokens"));
+    }
+    // train: the same losses at every step (an even batch, so that 2 ranks can split it).
+    const std::string batch = std::to_string(rows % 2 == 0 ? rows : rows - 1);
+    const auto train = [&](int ranks, const fs::path& file, const std::string& name) {
+      const auto run = dir_ / name;
+      const auto result = mdist(ranks, with(with({"train", "--data", file.string()}, flags),
+                                            {"--global-batch", batch, "--steps", "3", "--warmup",
+                                             "1", "--log-every", "1", "--out", run.string()}));
+      EXPECT_EQ(result.exit_code, 0) << describe(result);
+      return metrics(run);
+    };
+    const std::string tag = packing ? "-packed" : "-padded";
+    const auto reference = train(1, data, "jsonl" + tag);
+    ASSERT_EQ(reference.size(), 3u);
+    for (const int ranks : {1, 2}) {
+      const auto steps = train(ranks, one, "tokenized-np" + std::to_string(ranks) + tag);
+      ASSERT_EQ(steps.size(), 3u);
+      for (std::size_t i = 0; i < steps.size(); ++i) {
+        if (ranks == 1) {  // the same batches in the same order: bit for bit
+          EXPECT_EQ(steps[i]["loss"].get<double>(), reference[i]["loss"].get<double>())
+              << tag << " step " << i + 1;
+        } else {  // 2 ranks sum in another order
+          EXPECT_NEAR(steps[i]["loss"].get<double>(), reference[i]["loss"].get<double>(), 1e-6)
+              << tag << " step " << i + 1;
+        }
+      }
+    }
+  }
+}
+
+// Bad input to `mdist tokenize --format sft`, as train --format sft words it (the line named,
+// also when it falls in the second rank's part), and a bad tokenized pair when training or
+// evaluating on it: one line from rank 0, exit code 2, nothing written.
+TEST_F(MdistSft, TokenizeBadInputAndBadTokenizedFilesAreOneLine) {
+  const auto dir = model();
+  const std::string d = dir_.string();
+  const auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir_ / name, std::ios::binary) << text;
+    return d + "/" + name;
+  };
+  std::string good;
+  for (int i = 0; i < 8; ++i)
+    good += R"({"prompt": "Q", "completion": " A"})"
+            "\n";
+  const auto not_object = write("not_object.jsonl", good + "[1, 2]\n");
+  const auto no_completion = write("no_completion.jsonl", good + R"({"prompt": "Q"})"
+                                                                 "\n");
+  const auto empty = write("empty.jsonl", good + R"({"prompt": "Q", "completion": ""})"
+                                                 "\n");
+  const auto blank = write("blank.jsonl", "\n  \n");
+  const auto jsonl = write("good.jsonl", good);
+  const auto out = dir_ / "out.u32";
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--data", not_object, "--format", "sft"},
+       "data file '" + not_object + "' line 9 is not a JSON object"},
+      {{"--data", no_completion, "--format", "sft"},
+       "data file '" + no_completion +
+           "' line 9 has no string field 'completion' (--completion-field)"},
+      {{"--data", no_completion, "--format", "sft", "--prompt-field", "question"},
+       "data file '" + no_completion + "' line 1 has no string field 'question' (--prompt-field)"},
+      {{"--data", empty, "--format", "sft"},
+       "data file '" + empty + "' line 9 has an empty 'completion'"},
+      {{"--data", blank, "--format", "sft"}, "data file '" + blank + "' holds no example"},
+      {{"--data", jsonl, "--format", "sft", "--field", "q"},
+       "--field is for --format jsonl; --format sft reads --prompt-field and --completion-field"},
+      {{"--data", jsonl, "--format", "jsonl", "--prompt-field", "q"},
+       "--prompt-field and --completion-field need --format sft"},
+  };
+  auto before = tree(dir_);
+  for (const auto& c : cases) {
+    for (const int ranks : {1, 2}) {
+      const auto r =
+          mdist(ranks, with({"tokenize", "--model", dir.string(), "--out", out.string()}, c.args));
+      expect_refused(r, "tokenize", c.message, out);
+      EXPECT_FALSE(fs::exists(out.string() + ".mask"));
+      EXPECT_EQ(tree(dir_), before) << "a file was written or removed for: " << c.message;
+    }
+  }
+
+  // A good pair, then damaged copies of it.
+  ASSERT_EQ(mdist(1, {"tokenize", "--model", dir.string(), "--data", jsonl, "--out", out.string(),
+                      "--format", "sft"})
+                .exit_code,
+            0);
+  const std::string ids = read(out);
+  const std::string mask = read(fs::path(out.string() + ".mask"));
+  const auto pair = [&](const std::string& name, const std::string& i, const std::string& m) {
+    const std::string path = write(name + ".u32", i);
+    if (!m.empty()) write(name + ".u32.mask", m);
+    return path;
+  };
+  std::string bad_byte = mask;
+  bad_byte[3] = 7;
+  std::string no_start = mask;
+  no_start[0] = 0;
+  const auto short_mask = pair("short_mask", ids, mask.substr(0, mask.size() - 1));
+  const auto short_ids = pair("short_ids", ids.substr(0, ids.size() - 4), mask);
+  const auto cut_ids = pair("cut_ids", ids.substr(0, ids.size() - 1), mask);
+  const auto no_mask = pair("no_mask", ids, "");
+  const auto bad_mask = pair("bad_mask", ids, bad_byte);
+  const auto unstarted = pair("unstarted", ids, no_start);
+  const std::string n = std::to_string(mask.size());
+  const std::vector<Case> bad_pairs = {
+      {{"--data", short_mask},
+       "loss-mask file '" + short_mask + ".mask' has " + std::to_string(mask.size() - 1) +
+           " bytes but data file '" + short_mask + "' has " + n +
+           " tokens (one mask byte a token): a truncated or mismatched pair"},
+      {{"--data", short_ids},
+       "loss-mask file '" + short_ids + ".mask' has " + n + " bytes but data file '" + short_ids +
+           "' has " + std::to_string(mask.size() - 1) + " tokens"},
+      {{"--data", cut_ids},
+       "data file '" + cut_ids + "' (u32) has " + std::to_string(ids.size() - 1) +
+           " bytes, not a multiple of 4"},
+      {{"--data", no_mask}, "loss-mask file '" + no_mask + ".mask' does not exist"},
+      {{"--data", bad_mask},
+       "loss-mask file '" + bad_mask + ".mask': byte 3 is 7, not a loss-mask byte (0 to 3)"},
+      {{"--data", unstarted},
+       "loss-mask file '" + unstarted + ".mask' does not start an example at its first byte"},
+      {{"--data", out.string(), "--seq-len", "3"},
+       "data file '" + out.string() + "': example 1 (tokens 0 to "},
+  };
+  const auto run_dir = dir_ / "run";
+  before = tree(dir_);
+  for (const auto& c : bad_pairs) {
+    for (const std::string command : {"train", "eval"}) {
+      std::vector<std::string> args = {command, "--model", dir.string(), "--format", "sft"};
+      if (command == "train") args = with(args, {"--global-batch", "2", "--out", run_dir.string()});
+      if (command == "eval") args = with(args, {"--out", (run_dir / "eval.json").string()});
+      if (std::find(c.args.begin(), c.args.end(), "--seq-len") == c.args.end()) {
+        args = with(args, {"--seq-len", "32"});
+      }
+      const auto r = mdist(2, with(args, c.args));
+      expect_refused(r, command, c.message, run_dir);
+      EXPECT_EQ(tree(dir_), before) << "a file was written or removed for: " << c.message;
+    }
+  }
 }
 
 }  // namespace

@@ -9,7 +9,8 @@ For each architecture a seeded random model is built with transformers in fp32 (
 ptq_qwen3_bf16: the Qwen3 model in bf16) and saved with
 save_pretrained (config.json + model.safetensors: the checkpoint the C++ test loads). Then, on
 CPU, for each preset (fp8 = mtq.FP8_DEFAULT_CFG, int8 = mtq.INT8_DEFAULT_CFG, int8_sq =
-mtq.INT8_SMOOTHQUANT_CFG: SmoothQuant with alpha 1.0), a fresh copy of
+mtq.INT8_SMOOTHQUANT_CFG: SmoothQuant with alpha 1.0; for llama also int8_sq_alpha0.5, that
+config with alpha 0.5), a fresh copy of
 that model goes through modelopt's own
     mtq.quantize(model, CFG, lambda m: [m(input_ids=b) for b in calib])
 and expected.safetensors records:
@@ -67,6 +68,11 @@ ARCHS = {
 }
 PRESETS = {"fp8": mtq.FP8_DEFAULT_CFG, "int8": mtq.INT8_DEFAULT_CFG,
            "int8_sq": mtq.INT8_SMOOTHQUANT_CFG}
+# INT8_SMOOTHQUANT_CFG with another SmoothQuant alpha (mdist quantize --sq-alpha 0.5), on the
+# fp32 Llama only.
+INT8_SQ_ALPHA_HALF = copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)
+INT8_SQ_ALPHA_HALF["algorithm"] = {"method": "smoothquant", "alpha": 0.5}
+EXTRA_PRESETS = {"llama": {"int8_sq_alpha0.5": INT8_SQ_ALPHA_HALF}}
 BATCHES, ROWS, T = 3, 2, 16
 
 
@@ -128,7 +134,7 @@ def write_exclude_cases():
         print("exclude_modules", case[2])
 
 
-def write(arch, config_cls, model_cls, extra, dtype=torch.float32):
+def write(arch, config_cls, model_cls, extra, dtype=torch.float32, presets=PRESETS):
     model = build(config_cls, model_cls, extra).to(dtype)
     out_dir = HERE / f"ptq_{arch}"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +148,7 @@ def write(arch, config_cls, model_cls, extra, dtype=torch.float32):
                 "transformers": transformers.__version__}
     with torch.no_grad():
         tensors["loss"] = model(input_ids=eval_ids, labels=eval_ids).loss.float()
-    for preset, cfg in PRESETS.items():
+    for preset, cfg in presets.items():
         quantized = copy.deepcopy(model)
         mtq.quantize(quantized, cfg, lambda m: [m(input_ids=b) for b in calib])
         with torch.no_grad():
@@ -157,13 +163,18 @@ def write(arch, config_cls, model_cls, extra, dtype=torch.float32):
         metadata[f"{preset}.parents"] = ",".join(parents)
         tensors[f"{preset}.enabled"] = torch.tensor(enabled, dtype=torch.int64)
         metadata[f"{preset}.quantizers"] = ",".join(names)
-        amax = {k: v for k, v in quantized.state_dict().items() if k.endswith("._amax")}
+        # Copies, taken now: state_dict() values share the buffers' storage, and the export
+        # below rewrites some in place (its fused-layer preprocessing averages the
+        # pre_quant_scales of q/k/v and of gate/up and gives them the group's largest input
+        # amax), which would record the export's values instead of quantize's (invisible with
+        # alpha 1, where those scales are already equal).
+        amax = {k: v.clone() for k, v in quantized.state_dict().items() if k.endswith("._amax")}
         for key, value in amax.items():
             tensors[f"{preset}.{key}"] = value.float()
         # SmoothQuant's per-input-channel scales, in the weights' dtype as modelopt keeps them.
         for key, value in quantized.state_dict().items():
             if key.endswith("._pre_quant_scale"):
-                tensors[f"{preset}.{key}"] = value
+                tensors[f"{preset}.{key}"] = value.clone()
         # modelopt's unified HF export of the same quantized model (it modifies the model).
         # dtype given: without it modelopt 0.47 takes transformers 5's config.dtype, here the
         # string "float32", and fails in weight.to("float32") ("Invalid device string").
@@ -179,6 +190,6 @@ def write(arch, config_cls, model_cls, extra, dtype=torch.float32):
 write_wildcards()
 write_exclude_cases()
 for arch, (config_cls, model_cls, extra) in ARCHS.items():
-    write(arch, config_cls, model_cls, extra)
+    write(arch, config_cls, model_cls, extra, presets={**PRESETS, **EXTRA_PRESETS.get(arch, {})})
 # The same Qwen3 in bf16 (its own checkpoint): modelopt's export arithmetic differs by dtype.
 write("qwen3_bf16", *ARCHS["qwen3"], dtype=torch.bfloat16)

@@ -65,7 +65,8 @@ struct QuantConfig {
   // "max" or "smoothquant" (modelopt's `algorithm` names).
   std::string algorithm = "max";
   // SmoothQuant's migration strength (modelopt's SmoothQuantCalibConfig.alpha): the smoothing
-  // scale is max|W_c|^(1 - alpha) / max|x_c|^alpha. Only read by "smoothquant".
+  // scale is max|W_c|^(1 - alpha) / max|x_c|^alpha, alpha in [0, 1] as modelopt accepts it
+  // (quantize() throws InputError otherwise). Only read by "smoothquant".
   double smoothquant_alpha = 1.0;
 };
 
