@@ -74,11 +74,6 @@ void check_format(const QuantizeOptions& o) {
                      "'; the formats are fp8, int8 and int8_sq (int4_awq, w4a8_awq and nvfp4 are "
                      "not implemented yet)");
   }
-  if (o.format == "int8_sq" && o.io.tensor_parallel != 1) {
-    throw InputError("--format int8_sq with --tp " + std::to_string(o.io.tensor_parallel) +
-                     " is not supported yet (SmoothQuant's scales of a tensor-parallel model do "
-                     "not yet equal one rank's); quantize it without --tp");
-  }
   if (o.sq_alpha && o.format != "int8_sq") {
     throw InputError("--sq-alpha is SmoothQuant's alpha: it needs --format int8_sq, not " +
                      o.format);

@@ -283,13 +283,6 @@ void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeO
     throw Error("mdist::quant: quantize does not support expert-parallel models yet");
   }
   const bool weights_from_forward = is_fsdp2_model(*model_);
-  if (smoothquant && options.parallelism.tensor_parallel_split()) {
-    // Not yet equal to one rank's scales (measured on tp 2: 20 input scales and the quantized
-    // loss off by 2.6e-4 relative; undiagnosed): refused rather than a wrong number.
-    throw InputError(
-        "mdist::quant: SmoothQuant on a tensor-parallel model is not supported yet; calibrate "
-        "without tensor parallelism");
-  }
   if (smoothquant && !forward_loop) {
     throw InputError("mdist::quant: SmoothQuant needs a forward loop (calibration data)");
   }
