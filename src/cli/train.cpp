@@ -3,6 +3,7 @@
 // with logging, held-out evaluation and checkpoints.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -241,6 +242,12 @@ void log_start(const TrainOptions& o, const TrainInputs& in, const JobLayout& la
   say("mdist train: " + describe_layout(layout) + ", model " + in.model.description);
   say("mdist train: " + tokenizer_line(in.model));
   if (in.mp_policy) say("mdist train: " + describe_mixed_precision(*in.mp_policy, model));
+  if (o.activation_checkpointing != "none") {
+    const auto& marked = model->model->checkpointed_layers;
+    say("mdist train: activation checkpointing " + o.activation_checkpointing + ": " +
+        std::to_string(std::count(marked.begin(), marked.end(), true)) + " of " +
+        std::to_string(marked.size()) + " decoder layers recomputed in backward");
+  }
   if (model->config.moe) {
     say("mdist train: " + train::describe_aux_loss_weight(model->config, o.router_aux_loss_coef));
   }
@@ -372,7 +379,8 @@ int run_train(const TrainOptions& o) {
     }
   }
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
-  hf::ParallelModel built = build_wrapped_model(in.model, o.io.seed, layout, in.mp_policy);
+  hf::ParallelModel built =
+      build_wrapped_model(in.model, o.io.seed, layout, in.mp_policy, activation_checkpointing(o));
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
   // the same directory gets one line naming this one's pid). Taken once the model is known to
   // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.

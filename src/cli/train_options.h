@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 
+#include "mdist/hf/activation_checkpointing.h"
 #include "src/cli/flags.h"
 
 namespace mdist::cli {
@@ -43,6 +44,10 @@ struct TrainOptions {
   // objective. nullopt: the config's (router_aux_loss_coef when output_router_logits is true,
   // else none, as transformers); 0: none; else this weight.
   std::optional<double> router_aux_loss_coef;
+  // --activation-checkpointing none|full|selective (validated by check_train_flags) and
+  // selective's --ac-every K (default 2, as torchtitan's selective_ac_option).
+  std::string activation_checkpointing = "none";
+  std::optional<std::int64_t> ac_every;
   std::string resume_flag;  // --resume as given ("" when absent); sets `resume` after parsing
 };
 
@@ -50,5 +55,7 @@ void declare_train_flags(CLI::App& app, TrainOptions& options);
 // The flags alone (ranges, exclusions, sizes against the world of `world` ranks), in the order
 // they are reported: InputError naming the first bad one.
 void check_train_flags(const TrainOptions& options, int world);
+// The checkpointing --activation-checkpointing and --ac-every ask for (checked flags).
+hf::ActivationCheckpointing activation_checkpointing(const TrainOptions& options);
 
 }  // namespace mdist::cli
