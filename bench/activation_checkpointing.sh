@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Activation checkpointing's memory and time on one process: a ~134 M-parameter Llama-style
-# model (hidden 768, 12 layers, vocab 32000, random init, fp32, AdamW), batch 2 x 256 tokens,
+# model (hidden 768, 12 layers, vocab 32000, random init, fp32, AdamW), batch 2 x 512 tokens,
 # trained with --activation-checkpointing none and full, alternating the modes ROUNDS times
 # (a fresh process each), each run one unmeasured step then STEPS measured ones. Prints each
 # run's JSON line, then per mode the median/min/max of the peak RSS, its activation part (peak
 # minus the resident size before the step: weights, gradients and AdamW state) and step time.
 #   bench/activation_checkpointing.sh
-# Environment: BUILD_DIR (default build), ROUNDS (3), STEPS (2), BATCH (2), SEQ (256).
+# Environment: BUILD_DIR (default build), ROUNDS (3), STEPS (2), BATCH (2), SEQ (512).
 # MALLOC_MMAP_THRESHOLD_ is fixed at 64 KiB so that freed activations go back to the kernel and
 # do not hide in glibc's heap (its dynamic threshold would keep blocks up to 32 MiB resident).
 set -uo pipefail
@@ -21,7 +21,7 @@ trap 'rm -f "$results"' EXIT
 for ((round = 1; round <= rounds; ++round)); do
   for mode in none full; do
     MALLOC_MMAP_THRESHOLD_=65536 "$build/bin/activation_checkpointing_bench" "$mode" \
-      "${BATCH:-2}" "${SEQ:-256}" "$steps" | tee -a "$results"
+      "${BATCH:-2}" "${SEQ:-512}" "$steps" | tee -a "$results"
   done
 done
 python3 - "$results" <<'PY'
