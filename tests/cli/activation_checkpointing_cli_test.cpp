@@ -1,7 +1,8 @@
 // `mdist train --activation-checkpointing` end to end (real processes through mdistrun): on 2
-// ranks as dp 2, tp 2 and, on the tiny Qwen3-MoE, ep 2, five steps with full and selective
-// checkpointing give bit-identical losses, gradient norms and final weights to the run
-// without; an unknown mode or a misplaced --ac-every is one line, exit 2, nothing written.
+// ranks as dp 2, tp 2 and, on the tiny Qwen3-MoE, ep 2, and with micro-batches in bf16, five
+// steps with full and selective checkpointing give bit-identical losses, gradient norms and
+// final weights to the run without; an unknown mode or a misplaced --ac-every is one line, exit 2,
+// nothing written.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -74,6 +75,14 @@ TEST_F(MdistActivationCheckpointing, DenseDpAndTpAreBitIdentical) {
               "selective-tp" + tp),
         reference);
   }
+}
+
+// With gradient accumulation (a backward per micro-batch, the reduce-scatter after the last)
+// and bf16 compute: still the same bits.
+TEST_F(MdistActivationCheckpointing, MicroBatchesAndBf16AreBitIdentical) {
+  const std::vector<std::string> common = {"--micro-batch", "1", "--param-dtype", "bf16"};
+  const auto reference = train(common, "none");
+  expect_identical(train(with(common, {"--activation-checkpointing", "full"}), "full"), reference);
 }
 
 TEST_F(MdistActivationCheckpointing, MoeEp2IsBitIdentical) {
