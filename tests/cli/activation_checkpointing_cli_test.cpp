@@ -1,5 +1,5 @@
 // `mdist train --activation-checkpointing` end to end (real processes through mdistrun): on 2
-// ranks as dp 2, tp 2 and, on the tiny Qwen3-MoE, ep 2, and with micro-batches in bf16, five
+// and 4 ranks as dp 2, tp 2 and, on the tiny Qwen3-MoE, ep 2, and with micro-batches in bf16, five
 // steps with full and selective checkpointing give bit-identical losses, gradient norms and
 // final weights to the run without; an unknown mode or a misplaced --ac-every is one line, exit 2,
 // nothing written.
@@ -90,6 +90,24 @@ TEST_F(MdistActivationCheckpointing, MoeEp2IsBitIdentical) {
   const std::vector<std::string> common = {"--model", model.string(), "--ep", "2"};
   const auto reference = train(common, "none");
   expect_identical(train(with(common, {"--activation-checkpointing", "full"}), "full"), reference);
+}
+
+// On 4 ranks as (dp 2, tp 2) on the default model and (dp 4 as ep 2 x edp 2) on the MoE.
+TEST_F(MdistActivationCheckpointing, FourRanksDpTpAndDpEpAreBitIdentical) {
+  const auto four = [&](const std::vector<std::string>& args, const std::string& name) {
+    const auto out = dir_ / name;
+    const RunResult r = mdist(
+        4, train_args(with(args, {"--steps", "5", "--save-every", "0", "--out", out.string()})));
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return out;
+  };
+  const std::vector<std::string> tp = {"--tp", "2"};
+  expect_identical(four(with(tp, {"--activation-checkpointing", "full"}), "tp-full"),
+                   four(tp, "tp-none"));
+  const auto model = qwen3_moe_model("moe", 4, 0.01);
+  const std::vector<std::string> ep = {"--model", model.string(), "--ep", "2"};
+  expect_identical(four(with(ep, {"--activation-checkpointing", "full"}), "ep-full"),
+                   four(ep, "ep-none"));
 }
 
 TEST_F(MdistActivationCheckpointing, BadModesAreOneLineAndWriteNothing) {
