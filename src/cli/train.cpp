@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "mdist/hf/activation_checkpointing.h"
 #include "mdist/io/atomic_file.h"
 #include "mdist/runtime/runtime.h"
 #include "mdist/train/checkpoint.h"
@@ -232,6 +233,15 @@ std::string describe_micro_batches(const train::Trainer& trainer) {
   if (count == 1) return "1 forward per step";
   return std::to_string(count) + " micro-batches of " + std::to_string(trainer.micro_batch()) +
          " sequence" + (trainer.micro_batch() == 1 ? "" : "s") + " per step, gradients accumulated";
+}
+
+// The checkpointing --activation-checkpointing and --ac-every ask for (flags already checked).
+hf::ActivationCheckpointing activation_checkpointing(const TrainOptions& o) {
+  using Mode = hf::ActivationCheckpointingMode;
+  const Mode mode = o.activation_checkpointing == "full"        ? Mode::kFull
+                    : o.activation_checkpointing == "selective" ? Mode::kSelective
+                                                                : Mode::kNone;
+  return {.mode = mode, .every = o.ac_every.value_or(2)};
 }
 
 // The log's opening lines: layout and model, tokenizer, precision, objective, data, held-out.

@@ -148,12 +148,4 @@ void check_train_flags(const TrainOptions& o, int world) {
   }
 }
 
-hf::ActivationCheckpointing activation_checkpointing(const TrainOptions& o) {
-  using Mode = hf::ActivationCheckpointingMode;
-  const Mode mode = o.activation_checkpointing == "full"        ? Mode::kFull
-                    : o.activation_checkpointing == "selective" ? Mode::kSelective
-                                                                : Mode::kNone;
-  return {.mode = mode, .every = o.ac_every.value_or(2)};
-}
-
 }  // namespace mdist::cli

@@ -6,7 +6,6 @@
 #include <optional>
 #include <string>
 
-#include "mdist/hf/activation_checkpointing.h"
 #include "src/cli/flags.h"
 
 namespace mdist::cli {
@@ -55,7 +54,5 @@ void declare_train_flags(CLI::App& app, TrainOptions& options);
 // The flags alone (ranges, exclusions, sizes against the world of `world` ranks), in the order
 // they are reported: InputError naming the first bad one.
 void check_train_flags(const TrainOptions& options, int world);
-// The checkpointing --activation-checkpointing and --ac-every ask for (checked flags).
-hf::ActivationCheckpointing activation_checkpointing(const TrainOptions& options);
 
 }  // namespace mdist::cli
