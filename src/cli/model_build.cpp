@@ -72,7 +72,8 @@ std::unique_ptr<quant::ModelQuantizers> checkpoint_quantizers(const ModelChoice&
 
 hf::ParallelModel build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,
                                       const JobLayout& layout,
-                                      const std::optional<MixedPrecisionPolicy>& mp_policy) {
+                                      const std::optional<MixedPrecisionPolicy>& mp_policy,
+                                      const hf::ActivationCheckpointing& activation_checkpointing) {
   const ParallelState& parallel = layout.parallel;
   // A checkpoint is loaded without ever holding the whole model: built on the meta device,
   // split and wrapped, then each rank reads only its rows from the memory-mapped safetensors.
@@ -83,6 +84,9 @@ hf::ParallelModel build_wrapped_model(const ModelChoice& choice, std::uint64_t s
     options.mp_policy = mp_policy;
     hf::ParallelModel loaded = hf::load_pretrained_fsdp2(*choice.dir, options);
     hf::CausalLM model = loaded.model;
+    // The loader builds and wraps in one call; the mark is read at each forward, so marking
+    // after the wrap checkpoints exactly as marking before it.
+    hf::apply_activation_checkpointing(model, activation_checkpointing);
     // A NaN or infinite weight makes every number after it meaningless (exit code 0 with a
     // "loss nan"): each rank checks the values it holds, and the ranks agree, so that the job
     // ends with one line before any output exists.
@@ -103,6 +107,7 @@ hf::ParallelModel build_wrapped_model(const ModelChoice& choice, std::uint64_t s
   // On the CPU and whole: the same numbers whatever the device and the layout. (The seeded
   // default is small; a large model comes from a checkpoint, read by slice.)
   init_weights(model, seed, std);
+  hf::apply_activation_checkpointing(model, activation_checkpointing);
   std::optional<c10::Device> device;
   if (const auto compute = compute_device(); !compute.is_cpu()) device = compute;
   const hf::Parallelism parallelism =

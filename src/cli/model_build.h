@@ -7,6 +7,7 @@
 #include <string>
 
 #include "mdist/fsdp/fully_shard.h"
+#include "mdist/hf/activation_checkpointing.h"
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/parallelize.h"
 #include "mdist/quant/quantize.h"
@@ -29,9 +30,12 @@ namespace mdist::cli {
 // keeps (and reads) only its experts, FSDP-sharded over the expert-data-parallel group.
 // Returns the model with its hf::Parallelism (the loss, gradient norm and saving take it).
 // `mp_policy`: FSDP2's mixed precision for every unit (train's --param-dtype).
+// `activation_checkpointing`: the decoder layers to checkpoint (train's
+// --activation-checkpointing), marked before the model is wrapped, as torchtitan orders it.
 hf::ParallelModel build_wrapped_model(
     const ModelChoice& choice, std::uint64_t seed, const JobLayout& layout = JobLayout(),
-    const std::optional<MixedPrecisionPolicy>& mp_policy = std::nullopt);
+    const std::optional<MixedPrecisionPolicy>& mp_policy = std::nullopt,
+    const hf::ActivationCheckpointing& activation_checkpointing = {});
 
 // A quantized checkpoint (choice.quantization) read back as its quantized model: the loader
 // has dequantized its weights; this installs the input quantizers with the checkpoint's

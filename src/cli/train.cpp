@@ -3,6 +3,7 @@
 // with logging, held-out evaluation and checkpoints.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "mdist/hf/activation_checkpointing.h"
 #include "mdist/io/atomic_file.h"
 #include "mdist/runtime/runtime.h"
 #include "mdist/train/checkpoint.h"
@@ -233,6 +235,15 @@ std::string describe_micro_batches(const train::Trainer& trainer) {
          " sequence" + (trainer.micro_batch() == 1 ? "" : "s") + " per step, gradients accumulated";
 }
 
+// The checkpointing --activation-checkpointing and --ac-every ask for (flags already checked).
+hf::ActivationCheckpointing activation_checkpointing(const TrainOptions& o) {
+  using Mode = hf::ActivationCheckpointingMode;
+  const Mode mode = o.activation_checkpointing == "full"        ? Mode::kFull
+                    : o.activation_checkpointing == "selective" ? Mode::kSelective
+                                                                : Mode::kNone;
+  return {.mode = mode, .every = o.ac_every.value_or(2)};
+}
+
 // The log's opening lines: layout and model, tokenizer, precision, objective, data, held-out.
 void log_start(const TrainOptions& o, const TrainInputs& in, const JobLayout& layout,
                train::Trainer& trainer, const train::SequenceSource& data,
@@ -241,6 +252,12 @@ void log_start(const TrainOptions& o, const TrainInputs& in, const JobLayout& la
   say("mdist train: " + describe_layout(layout) + ", model " + in.model.description);
   say("mdist train: " + tokenizer_line(in.model));
   if (in.mp_policy) say("mdist train: " + describe_mixed_precision(*in.mp_policy, model));
+  if (o.activation_checkpointing != "none") {
+    const auto& marked = model->model->checkpointed_layers;
+    say("mdist train: activation checkpointing " + o.activation_checkpointing + ": " +
+        std::to_string(std::count(marked.begin(), marked.end(), true)) + " of " +
+        std::to_string(marked.size()) + " decoder layers recomputed in backward");
+  }
   if (model->config.moe) {
     say("mdist train: " + train::describe_aux_loss_weight(model->config, o.router_aux_loss_coef));
   }
@@ -372,7 +389,8 @@ int run_train(const TrainOptions& o) {
     }
   }
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
-  hf::ParallelModel built = build_wrapped_model(in.model, o.io.seed, layout, in.mp_policy);
+  hf::ParallelModel built =
+      build_wrapped_model(in.model, o.io.seed, layout, in.mp_policy, activation_checkpointing(o));
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
   // the same directory gets one line naming this one's pid). Taken once the model is known to
   // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.

@@ -66,6 +66,15 @@ void declare_train_flags(CLI::App& app, TrainOptions& o) {
                  "(0: none); default: the config's router_aux_loss_coef when its "
                  "output_router_logits is true, else none (as transformers)")
       ->type_name("W");
+  app.add_option("--activation-checkpointing", o.activation_checkpointing,
+                 "Drop decoder layers' activations in forward and recompute them in backward: "
+                 "none, full (every layer) or selective (every --ac-every-th layer)")
+      ->capture_default_str()
+      ->type_name("MODE");
+  app.add_option("--ac-every", o.ac_every,
+                 "With --activation-checkpointing selective: checkpoint layers K, 2K, ... "
+                 "(1-based; torchtitan's selective_ac_option = K; default 2)")
+      ->type_name("K");
   app.add_option("--eval-max-sequences", o.eval_max_sequences,
                  "Held-out sequences per evaluation (0: all)")
       ->capture_default_str();
@@ -118,6 +127,17 @@ void check_train_flags(const TrainOptions& o, int world) {
   check_non_negative(o.watchdog_s, "--watchdog");
   if (o.router_aux_loss_coef) {
     check_non_negative(*o.router_aux_loss_coef, "--router-aux-loss-coef (0: none)");
+  }
+  if (o.activation_checkpointing != "none" && o.activation_checkpointing != "full" &&
+      o.activation_checkpointing != "selective") {
+    throw InputError("--activation-checkpointing must be none, full or selective, got '" +
+                     o.activation_checkpointing + "'");
+  }
+  if (o.ac_every) {
+    if (o.activation_checkpointing != "selective") {
+      throw InputError("--ac-every applies to --activation-checkpointing selective only");
+    }
+    check_at_least(*o.ac_every, 1, "--ac-every");
   }
   if (o.resume == ResumeMode::always && o.io.model_dir) {
     throw InputError("--resume continues from the last checkpoint of '" + o.out.string() +

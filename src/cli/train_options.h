@@ -43,6 +43,10 @@ struct TrainOptions {
   // objective. nullopt: the config's (router_aux_loss_coef when output_router_logits is true,
   // else none, as transformers); 0: none; else this weight.
   std::optional<double> router_aux_loss_coef;
+  // --activation-checkpointing none|full|selective (validated by check_train_flags) and
+  // selective's --ac-every K (default 2, as torchtitan's selective_ac_option).
+  std::string activation_checkpointing = "none";
+  std::optional<std::int64_t> ac_every;
   std::string resume_flag;  // --resume as given ("" when absent); sets `resume` after parsing
 };
 

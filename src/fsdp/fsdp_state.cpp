@@ -15,6 +15,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "mdist/nn/checkpoint.h"
 #include "src/nn/module_registry.h"
 
 namespace mdist::detail {
@@ -99,8 +100,9 @@ void recover_from_failed_backward(FsdpContext& context) {
 }
 
 void check_backward_state(FsdpContext& context) {
-  if (context.final_callback_queued &&
-      context.callback_graph_task != torch::autograd::get_current_graph_task_id()) {
+  // current_backward_id(): a checkpoint's recompute runs a nested backward inside the one
+  // that queued the callback, which is no failed backward.
+  if (context.final_callback_queued && context.callback_graph_task != nn::current_backward_id()) {
     recover_from_failed_backward(context);
   }
 }
@@ -265,11 +267,12 @@ void pre_backward(const std::weak_ptr<FsdpParamGroup>& weak) {
   check_backward_state(context);
   if (!context.final_callback_queued) {
     context.final_callback_queued = true;
-    context.callback_graph_task = torch::autograd::get_current_graph_task_id();
-    torch::autograd::Engine::get_default_engine().queue_callback(
-        [weak_context = std::weak_ptr<FsdpContext>(unit->context)] {
-          finish_backward(weak_context);
-        });
+    context.callback_graph_task = nn::current_backward_id();
+    // On the outermost backward: a unit whose backward begins inside a checkpoint's nested
+    // backward must not finish every unit when that nested backward ends.
+    nn::queue_end_of_backward([weak_context = std::weak_ptr<FsdpContext>(unit->context)] {
+      finish_backward(weak_context);
+    });
   }
   unit->unshard();
   unit->state = TrainingState::kPreBackward;
@@ -294,7 +297,37 @@ void post_backward_of_call(const std::weak_ptr<FsdpParamGroup>& weak) {
   if (unit->pending_backwards > 0 && --unit->pending_backwards == 0) run_post_backward(unit);
 }
 
+// The forward of a checkpointed unit running again in backward (mdist/nn/checkpoint.h): its
+// first forward ran under no-grad, so it registered no backward hooks and left no backward
+// pending. This one gathers the parameters and registers them, as a forward with grad
+// would, but is no forward pass: the recorded orders and prefetches stay the step's, and the
+// parameters stay gathered for the unit's backward, which follows at once (its pre-backward
+// then gathers nothing, and post-backward reduces and reshards once, as without checkpoint).
+void pre_recompute(FsdpParamGroup& unit, nn::TensorRefs& inputs) {
+  unit.state = TrainingState::kForward;
+  const c10::OptionalDeviceGuard guard(unit.compute_device);
+  to_device(inputs, unit.compute_device);
+  unit.unshard();
+  const auto& mp = unit.options.mp_policy;
+  if (mp.param_dtype && mp.cast_forward_inputs) cast_floating(inputs, *mp.param_dtype);
+  ++unit.pending_backwards;
+  attach([weak = unit.weak_from_this()] { post_backward_of_call(weak); }, inputs);
+}
+
+void post_recompute(FsdpParamGroup& unit, nn::TensorRefs& outputs) {
+  const auto& mp = unit.options.mp_policy;
+  if (mp.output_dtype) cast_floating(outputs, *mp.output_dtype);
+  if (attach([weak = unit.weak_from_this()] { pre_backward(weak); }, outputs)) {
+    unit.expects_pre_backward = true;
+  }
+  unit.state = TrainingState::kIdle;
+}
+
 void pre_forward(FsdpParamGroup& unit, nn::TensorRefs& inputs) {
+  if (nn::recomputing() && at::GradMode::is_enabled() && unit.context) {
+    pre_recompute(unit, inputs);
+    return;
+  }
   const auto context = context_for(unit);
   if (context->depth++ == 0) {
     active_context = context;
@@ -335,6 +368,10 @@ void pre_forward(FsdpParamGroup& unit, nn::TensorRefs& inputs) {
 
 // A throw in here reaches on_forward_error, which leaves the pass.
 void post_forward(FsdpParamGroup& unit, nn::TensorRefs& outputs) {
+  if (nn::recomputing() && at::GradMode::is_enabled() && unit.context) {  // as pre_forward
+    post_recompute(unit, outputs);
+    return;
+  }
   const auto context = unit.context;
   const auto& mp = unit.options.mp_policy;
   if (mp.output_dtype) cast_floating(outputs, *mp.output_dtype);

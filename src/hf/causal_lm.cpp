@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "mdist/error.h"
+#include "mdist/nn/checkpoint.h"
 #include "mdist/nn/hooks.h"
 #include "mdist/nn/meta.h"
 
@@ -380,10 +381,32 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
   }
 
   for (std::size_t i = 0; i < decoder_layers.size(); ++i) {
+    if (cache == nullptr && i < checkpointed_layers.size() && checkpointed_layers[i]) {
+      h = checkpointed_layer(i, h, cos, sin, masks.at(windows[i]));
+      continue;
+    }
     LayerKvCache* layer_cache = cache != nullptr ? &cache->layer(static_cast<int64_t>(i)) : nullptr;
     h = mdist::nn::call(decoder_layers[i], h, cos, sin, masks.at(windows[i]), layer_cache);
   }
   return mdist::nn::call(norm, h);
+}
+
+// The layer's call (its hooks included) under mdist::nn::checkpoint. A sparse layer's router
+// logits are a second output, so that the load-balancing loss computed from them after the
+// forward gets its gradient through the checkpoint like the hidden states.
+at::Tensor DecoderModelImpl::checkpointed_layer(std::size_t i, const at::Tensor& h,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                const at::Tensor& mask) {
+  DecoderLayer layer = decoder_layers[i];
+  const auto outputs = mdist::nn::checkpoint(
+      [layer](const std::vector<at::Tensor>& in) mutable {
+        std::vector<at::Tensor> out{mdist::nn::call(layer, in[0], in[1], in[2], in[3], nullptr)};
+        if (layer->moe) out.push_back(layer->moe->router_logits);
+        return out;
+      },
+      {h, cos, sin, mask}, {.module = layer.get()});
+  if (layer->moe) layer->moe->router_logits = outputs[1];
+  return outputs[0];
 }
 
 CausalLMImpl::CausalLMImpl(LlamaConfig config_, c10::Device device) : config(std::move(config_)) {

@@ -190,6 +190,13 @@ struct DecoderModelImpl : torch::nn::Module {
   // Not parameters or buffers, as HF's non-persistent inv_freq; holds the dynamic-RoPE state.
   RotaryEmbedding rotary;
   std::vector<std::optional<int64_t>> windows;  // each layer's attention window (none: full)
+  // Per layer: run under activation checkpointing when training (empty: none). Set by
+  // hf::apply_activation_checkpointing (mdist/hf/activation_checkpointing.h).
+  std::vector<bool> checkpointed_layers;
+
+ private:
+  at::Tensor checkpointed_layer(std::size_t i, const at::Tensor& h, const at::Tensor& cos,
+                                const at::Tensor& sin, const at::Tensor& mask);
 };
 TORCH_MODULE(DecoderModel);
 
