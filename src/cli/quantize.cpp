@@ -13,8 +13,11 @@
 //
 // int8_sq (INT8_SMOOTHQUANT_CFG) calibrates with SmoothQuant (alpha 1.0) instead of max.
 // Not implemented yet (refused with one line, exit 2): the formats int4_awq,
-// w4a8_awq and nvfp4, --kv-cache, expert parallelism (--ep), --param-dtype, progress on a
-// terminal.
+// w4a8_awq and nvfp4, --kv-cache, expert parallelism (--ep), --param-dtype.
+//
+// Progress: on a terminal rank 0 redraws one line per phase in place (held-out loss before,
+// calibrating, SmoothQuant's smoothing pass, held-out loss after, exporting) with a count of
+// sequences and the elapsed time; elsewhere nothing more than the lines above is printed.
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
@@ -38,6 +41,7 @@
 #include "mdist/train/forward_split.h"
 #include "src/cli/commands.h"
 #include "src/cli/job.h"
+#include "src/cli/phase_progress.h"
 
 namespace mdist::cli {
 namespace {
@@ -241,6 +245,29 @@ void check_experts_reached(const ExpertTokens& tokens, const JobLayout& layout) 
   });
 }
 
+// Counts the sequences the model's forwards run (its first input's batch dimension) on this
+// rank, for as long as it lives, and shows them in `progress` as the whole data-parallel
+// group's: the ranks run their forwards in step (FSDP2's collectives), so rank 0's count times
+// the group's size is what the group has done (capped at the phase's total by the line).
+class ForwardCounter {
+ public:
+  ForwardCounter(hf::CausalLM& model, PhaseProgress& progress, int64_t data_parallel)
+      : hook_(nn::register_forward_pre_hook(
+            *model, [this, &progress, data_parallel](torch::nn::Module&, nn::TensorRefs& inputs) {
+              sequences_ += inputs[0]->size(0);
+              progress.update(sequences_ * data_parallel);
+            })) {}
+  ~ForwardCounter() { hook_.remove(); }
+  ForwardCounter(const ForwardCounter&) = delete;
+  ForwardCounter& operator=(const ForwardCounter&) = delete;
+  // A new phase counts from 0.
+  void reset() { sequences_ = 0; }
+
+ private:
+  int64_t sequences_ = 0;
+  nn::HookHandle hook_;
+};
+
 double held_out(hf::CausalLM& model, const hf::ParallelModel& built, const Windows& windows,
                 const TokenStream& data, const QuantizeOptions& o, const JobLayout& layout,
                 int64_t& tokens) {
@@ -347,9 +374,22 @@ int run_quantize(const QuantizeOptions& o) {
       std::to_string(o.io.seq_len) + " tokens from " + in.calib.description + ", " +
       describe_layout(layout));
 
+  PhaseProgress progress(stdout, "mdist quantize", rank() == 0 && terminal_stdout());
+  const int64_t data_parallel = mdist::size() / layout.tensor_parallel();
+  // held_out_loss's --eval-sequences: 0 is every window.
+  const int64_t eval_total = o.eval_sequences > 0 ? std::min(o.eval_sequences, eval_windows.count())
+                                                  : eval_windows.count();
+  ForwardCounter counter(model, progress, data_parallel);
+  const auto phase = [&](const std::string& name, int64_t total) {
+    counter.reset();
+    progress.begin(name, total, total > 0 ? "sequences" : "");
+  };
+
   int64_t eval_tokens = 0;
+  phase("held-out loss before quantization", eval_total);
   const double loss_before = held_out(model, built, eval_windows, in.eval, o, layout, eval_tokens);
   const double eval_before_s = seconds_since(lap);
+  progress.finish();
   char line[256];
   std::snprintf(line, sizeof(line),
                 "mdist quantize: held-out loss before quantization %.6f nats/token (%lld tokens "
@@ -365,7 +405,10 @@ int run_quantize(const QuantizeOptions& o) {
     // across data-parallel layouts. A rank with no sequence left runs the first one again so
     // that every rank runs the same forwards (FSDP2's collectives): max calibration over the
     // data-parallel group already includes that sequence, so the synced amax is unchanged.
+    int passes = 0;
     const quant::ForwardLoop loop = [&](hf::CausalLM& m) {
+      // SmoothQuant runs the loop a second time, over the smoothed weights.
+      phase(passes++ == 0 ? "calibrating" : "smoothing pass", calib_total);
       const Group dp = layout.parallel.data_parallel_group.group();
       const auto plan = train::plan_forwards(calib_total, mdist::size(dp), mdist::rank(dp), 1);
       for (int64_t round = 0; round < plan.rounds; ++round) {
@@ -380,14 +423,17 @@ int run_quantize(const QuantizeOptions& o) {
                                  {.parallel = layout.parallel, .parallelism = built.parallelism});
   }
   const double calibrate_s = seconds_since(lap);
+  phase("held-out loss after quantization", eval_total);
   const double loss_after = held_out(model, built, eval_windows, in.eval, o, layout, eval_tokens);
   const double eval_after_s = seconds_since(lap);
+  progress.finish();
   std::snprintf(line, sizeof(line),
                 "mdist quantize: held-out loss after quantization %.6f nats/token (fake-quantized "
                 "%s; %+.6f)",
                 loss_after, o.format.c_str(), loss_after - loss_before);
   say(line);
 
+  phase("exporting", 0);
   const auto amax = quant::whole_amax_state_dict(*quantizers, built.parallelism);
   const std::filesystem::path staging = staging_dir(*o.out);
   if (rank() == 0) std::filesystem::remove_all(staging);
@@ -429,6 +475,7 @@ int run_quantize(const QuantizeOptions& o) {
         {"modules", modules_json(amax)}};
     io::write_file_atomically(staging / "quantize.json", report.dump(2) + "\n");
     publish(staging, *o.out);
+    progress.finish();
     say("mdist quantize: wrote " + o.out->string() + " (unified HF checkpoint, quantize.json)");
   }
   barrier();

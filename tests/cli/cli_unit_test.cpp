@@ -1,22 +1,25 @@
 // The libtorch-free parts of the `mdist` command: schedule, data, window order, loss picture,
-// progress line.
+// progress line (and the phase line).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
 #include <unistd.h>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <regex>
 #include <set>
 
+#include "mdist/train/lr_schedule.h"
 #include "src/cli/documents.h"
 #include "src/cli/input_error.h"
 #include "src/cli/loss_plot.h"
+#include "src/cli/phase_progress.h"
 #include "src/cli/progress.h"
 #include "src/cli/run_dir.h"
-#include "mdist/train/lr_schedule.h"
 #include "src/cli/token_data.h"
 
 namespace {
@@ -298,6 +301,53 @@ TEST(Progress, LineShowsStepLossSpeedEtaAndEachRanksPeakMemory) {
   EXPECT_EQ(mdist::cli::progress_line(report, true),
             "step 30/120 [######..................]  25% | loss 2.3457 | lr 2.90e-03 | 5123 tok/s "
             "| ETA 0:45 | peak MiB 812 791");
+}
+
+TEST(PhaseProgress, LineShowsThePhaseItsCountAndElapsedTime) {
+  mdist::cli::PhaseReport report{.command = "mdist quantize",
+                                 .phase = "calibrating",
+                                 .done = 12,
+                                 .total = 64,
+                                 .unit = "sequences",
+                                 .elapsed_s = 3.7};
+  EXPECT_EQ(mdist::cli::phase_line(report), "mdist quantize: calibrating 12/64 sequences | 0:03");
+  report.done = 70;  // a last round past the total (padding forwards) shows the total
+  report.elapsed_s = 3725;
+  EXPECT_EQ(mdist::cli::phase_line(report),
+            "mdist quantize: calibrating 64/64 sequences | 1:02:05");
+  report.phase = "exporting";
+  report.total = 0;  // nothing to count
+  report.elapsed_s = 61;
+  EXPECT_EQ(mdist::cli::phase_line(report), "mdist quantize: exporting | 1:01");
+}
+
+// What PhaseProgress writes to `terminal` or not, for two phases.
+std::string phases_written(bool terminal) {
+  std::FILE* file = std::tmpfile();
+  {
+    mdist::cli::PhaseProgress progress(file, "mdist quantize", terminal);
+    progress.begin("calibrating", 4, "sequences");
+    progress.update(4);
+    progress.begin("exporting");
+    progress.finish();
+    progress.finish();  // a second finish draws nothing more
+  }
+  std::rewind(file);
+  std::string text;
+  for (int c = std::fgetc(file); c != EOF; c = std::fgetc(file)) text += static_cast<char>(c);
+  std::fclose(file);
+  // The elapsed times depend on the machine's speed: only their place is checked.
+  return std::regex_replace(text, std::regex(R"( \| \d+:\d\d)"), " | T");
+}
+
+TEST(PhaseProgress, DrawsInPlaceOnATerminalAndNothingElsewhere) {
+  EXPECT_EQ(phases_written(false), "");
+  EXPECT_EQ(phases_written(true),
+            "mdist quantize: calibrating 0/4 sequences | T\x1b[K\r"
+            "mdist quantize: calibrating 4/4 sequences | T\x1b[K\r"
+            "mdist quantize: calibrating 4/4 sequences | T\x1b[K\r\n"
+            "mdist quantize: exporting | T\x1b[K\r"
+            "mdist quantize: exporting | T\x1b[K\r\n");
 }
 
 TEST(RunDir, TheLockKeepsASecondHolderOutAndIsFreedWithItsHolder) {

@@ -57,9 +57,10 @@ class MdistCommand : public ::testing::Test {
   }
 
   // mdistrun --nproc-per-node N mdist ARGS... (OMP_NUM_THREADS=1: the same arithmetic on
-  // every rank count).
+  // every rank count). `stdout_terminal`: the launcher's stdout is a pseudo-terminal.
   static RunResult mdist(int ranks, std::vector<std::string> args,
-                         const std::map<std::string, std::string>& env = {}) {
+                         const std::map<std::string, std::string>& env = {},
+                         bool stdout_terminal = false) {
     std::vector<std::string> argv = {MDIST_LAUNCHER, "--nproc-per-node", std::to_string(ranks),
                                      MDIST_CLI};
     argv.insert(argv.end(), args.begin(), args.end());
@@ -67,6 +68,7 @@ class MdistCommand : public ::testing::Test {
     options.env["OMP_NUM_THREADS"] = "1";
     for (const auto& [name, value] : env) options.env[name] = value;
     options.timeout = std::chrono::seconds(240);
+    options.stdout_terminal = stdout_terminal;
     return mdist::testing::run(argv, options);
   }
 

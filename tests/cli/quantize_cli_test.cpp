@@ -7,7 +7,8 @@
 //  - the export against modelopt's export, tensor by tensor, and across layouts (1 and 2
 //    data-parallel ranks byte for byte; tp 2 within ptq_dist_test's bounds);
 //  - `mdist eval` of the export (mdist's and modelopt's): the quantized model's loss;
-//  - bad input: one line, exit 2, nothing written.
+//  - bad input: one line, exit 2, nothing written;
+//  - progress on a terminal: rank 0's phase lines, and nothing of them in a pipe.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -128,6 +130,63 @@ void expect_same_quant_config(const fs::path& actual, const fs::path& expected) 
   ac.erase("producer");
   ec.erase("producer");
   EXPECT_EQ(ac, ec);
+}
+
+// The lines of the launcher's output that are not redrawn in place: a terminal's "\r\n" read
+// as "\n", each segment ending in "ESC[K\r" (a progress line) dropped, empty lines dropped.
+std::vector<std::string> settled_lines(std::string out) {
+  out = std::regex_replace(out, std::regex("\r\n"), "\n");
+  out = std::regex_replace(out, std::regex("[^\r\n]*\x1b\\[K\r"), "");
+  std::vector<std::string> lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty()) lines.push_back(line);
+  }
+  return lines;
+}
+
+// On a terminal (the launcher's stdout a pseudo-terminal: MDIST_STDOUT_IS_TTY=1 on every rank)
+// rank 0 alone draws each phase with its count, SmoothQuant's second pass included; the other
+// lines are those of a run into a pipe, which shows no progress at all.
+TEST_F(QuantizeCommand, ShowsProgressOnATerminalOnly) {
+  const fs::path calib = tokens("qwen3", "calib"), eval = tokens("qwen3", "eval_ids");
+  const fs::path out = dir_ / "out";
+  const std::vector<std::string> args = {"quantize",
+                                         "--model",
+                                         fixture("qwen3").string(),
+                                         "--format",
+                                         "int8_sq",
+                                         "--data",
+                                         calib.string(),
+                                         "--eval-data",
+                                         eval.string(),
+                                         "--seq-len",
+                                         "16",
+                                         "--calib-sequences",
+                                         "0",
+                                         "--out",
+                                         out.string()};
+  const auto piped = mdist(2, args);
+  ASSERT_EQ(piped.exit_code, 0) << describe(piped);
+  const auto terminal = mdist(2, args, {}, /*stdout_terminal=*/true);
+  ASSERT_EQ(terminal.exit_code, 0) << describe(terminal);
+
+  EXPECT_THAT(piped.out, Not(HasSubstr("\x1b[K")));
+  EXPECT_THAT(piped.out, Not(HasSubstr("calibrating")));
+  const std::string sequences = std::to_string(fs::file_size(calib) / 4 / 16);
+  const std::string held_out = std::to_string(fs::file_size(eval) / 4 / 16);
+  for (const std::string& line :
+       {"held-out loss before quantization " + held_out + "/" + held_out + " sequences",
+        "calibrating " + sequences + "/" + sequences + " sequences",
+        "smoothing pass " + sequences + "/" + sequences + " sequences",
+        "held-out loss after quantization " + held_out + "/" + held_out + " sequences",
+        std::string("exporting")}) {
+    EXPECT_THAT(terminal.out, HasSubstr("[rank0]: mdist quantize: " + line + " | "))
+        << describe(terminal);
+  }
+  EXPECT_THAT(terminal.out, Not(HasSubstr("[rank1]: mdist quantize:")));
+  EXPECT_EQ(settled_lines(terminal.out), settled_lines(piped.out)) << describe(terminal);
+  EXPECT_FALSE(settled_lines(piped.out).empty());
 }
 
 // One rank: the losses equal modelopt's, the export equals modelopt's export, and `mdist eval`

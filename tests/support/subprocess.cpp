@@ -68,6 +68,18 @@ RunResult run(const std::vector<std::string>& argv, const RunOptions& options) {
   if (::pipe2(out_pipe.data(), O_CLOEXEC) != 0 || ::pipe2(err_pipe.data(), O_CLOEXEC) != 0) {
     throw std::runtime_error("test: pipe failed");
   }
+  if (options.stdout_terminal) {
+    // The pseudo-terminal's primary side replaces the stdout pipe's read end; the child opens
+    // the secondary side as its stdout.
+    ::close(out_pipe[0]);
+    ::close(out_pipe[1]);
+    out_pipe[0] = ::posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (out_pipe[0] < 0 || ::grantpt(out_pipe[0]) != 0 || ::unlockpt(out_pipe[0]) != 0) {
+      throw std::runtime_error("test: posix_openpt failed");
+    }
+    out_pipe[1] = ::open(::ptsname(out_pipe[0]), O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (out_pipe[1] < 0) throw std::runtime_error("test: cannot open the pseudo-terminal");
+  }
   const auto start = std::chrono::steady_clock::now();
   const pid_t pid = ::fork();
   if (pid == 0) {

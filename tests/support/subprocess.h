@@ -20,6 +20,9 @@ struct RunOptions {
   // Launcher variables of the test process itself (RANK, WORLD_SIZE, ...) are removed first.
   bool clear_launch_env = true;
   std::chrono::seconds timeout{120};  // then the child is killed and the result says so
+  // The child's stdout is a pseudo-terminal (its stderr stays a pipe), as a user's terminal
+  // is: to see what a command draws there. Its line discipline turns "\n" into "\r\n".
+  bool stdout_terminal = false;
 };
 
 RunResult run(const std::vector<std::string>& argv, const RunOptions& options = {});
