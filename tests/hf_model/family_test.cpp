@@ -19,6 +19,7 @@
 #include "mdist/error.h"
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/config.h"
+#include "mdist/hf/fsdp2_wrap.h"
 #include "mdist/hf/rotary.h"
 #include "mdist/hf/tensor_parallel.h"
 #include "tests/hf_model/fixture_reader.h"
@@ -83,6 +84,15 @@ TEST_P(FamilyParity, ParameterNamesAreTheCheckpointKeys) {
     if (is_weight(name)) keys.insert(name);
   }
   EXPECT_EQ(params, keys);
+}
+
+// fsdp2_wrap's units: each decoder layer (then the root).
+TEST_P(FamilyParity, Fsdp2WrapFindsTheDecoderLayers) {
+  CausalLM model(config_of(GetParam()));
+  const auto layers = mdist::get_decoder_layers(*model);
+  ASSERT_EQ(layers.size(), 2u);
+  EXPECT_EQ(layers[0].get(), model->model->decoder_layers[0].ptr().get());
+  EXPECT_EQ(layers[1].get(), model->model->decoder_layers[1].ptr().get());
 }
 
 TEST_P(FamilyParity, LogitsLossAndGradientsMatchTransformersInFloat32) {
