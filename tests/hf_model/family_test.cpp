@@ -20,6 +20,7 @@
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/config.h"
 #include "mdist/hf/fsdp2_wrap.h"
+#include "mdist/hf/generate.h"
 #include "mdist/hf/rotary.h"
 #include "mdist/hf/tensor_parallel.h"
 #include "tests/hf_model/fixture_reader.h"
@@ -156,6 +157,28 @@ TEST_P(Bfloat16Parity, LogitsLossAndGradientsMatchTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, Bfloat16Parity, ::testing::Values("phi3_bf16", "olmo2_bf16"));
+
+// Greedy generation against transformers' model.generate with its cache (generate.json of
+// make_generate_fixtures.py). phi3: 7-token prompts and 24 new tokens cross
+// original_max_position_embeddings (16), where transformers drops the cache and recomputes on
+// the long factors.
+TEST_P(FamilyParity, GreedyGenerationEqualsTransformersGenerate) {
+  const auto fixture = read_fixture(fixture_dir(GetParam()));
+  CausalLM model = loaded(config_of(GetParam()), fixture);
+  const auto expected =
+      nlohmann::json::parse(read_text(fixture_dir(GetParam()) + "/generate.json"));
+  mdist::hf::GenerationOptions options;
+  options.max_new_tokens = expected.at("max_new_tokens").get<int64_t>();
+  options.eos_token_ids = mdist::hf::eos_token_ids(model->config);
+  if (model->config.pad_token_id) options.pad_token_id = *model->config.pad_token_id;
+  ASSERT_EQ(expected.at("cases").size(), 4u);
+  for (const auto& c : expected.at("cases")) {
+    const auto prompts = c.at("prompts").get<std::vector<std::vector<int64_t>>>();
+    EXPECT_EQ(mdist::hf::generate(model, prompts, options),
+              c.at("outputs").get<std::vector<std::vector<int64_t>>>())
+        << GetParam() << " " << prompts.size() << " prompt(s)";
+  }
+}
 
 TEST(FamilyParity, Phi3RotaryTablesEqualTransformers) {
   const auto fixture = read_fixture(fixture_dir("phi3"));
