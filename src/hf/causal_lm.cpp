@@ -68,45 +68,81 @@ std::string shape_of(const at::Tensor& t) {
 
 }  // namespace
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, c10::Device device) : eps(eps_) {
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, c10::Device device, bool weight_in_fp32_)
+    : eps(eps_), weight_in_fp32(weight_in_fp32_) {
   weight = register_parameter("weight", torch::ones({dim}, torch::TensorOptions().device(device)));
 }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   const at::Tensor h = x.to(at::kFloat);
   const at::Tensor normed = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  if (weight_in_fp32) return (weight * normed).to(x.scalar_type());
   return weight * normed.to(x.scalar_type());
 }
 
+namespace {
+
+RMSNorm rms_norm(int64_t dim, const LlamaConfig& c, c10::Device device) {
+  return RMSNorm(dim, c.rms_norm_eps, device, c.fp32_norm_weight_and_rotary);
+}
+
+}  // namespace
+
 AttentionImpl::AttentionImpl(const LlamaConfig& c, c10::Device device)
-    : heads(c.num_attention_heads), kv_heads(c.num_key_value_heads), head_dim(c.head_dim) {
-  q_proj = register_module("q_proj", linear(c.hidden_size, heads * head_dim, c.qkv_bias, device));
-  k_proj =
-      register_module("k_proj", linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias, device));
-  v_proj =
-      register_module("v_proj", linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias, device));
+    : qk_norm_full_width(c.qk_norm_full_width),
+      heads(c.num_attention_heads),
+      kv_heads(c.num_key_value_heads),
+      head_dim(c.head_dim) {
+  if (c.fused_projections) {
+    qkv_proj = register_module(
+        "qkv_proj", linear(c.hidden_size, (heads + 2 * kv_heads) * head_dim, c.qkv_bias, device));
+  } else {
+    q_proj = register_module("q_proj", linear(c.hidden_size, heads * head_dim, c.qkv_bias, device));
+    k_proj =
+        register_module("k_proj", linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias, device));
+    v_proj =
+        register_module("v_proj", linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias, device));
+  }
   o_proj = register_module("o_proj", linear(heads * head_dim, c.hidden_size, c.o_bias, device));
   if (c.qk_norm) {
-    q_norm = register_module("q_norm", RMSNorm(head_dim, c.rms_norm_eps, device));
-    k_norm = register_module("k_norm", RMSNorm(head_dim, c.rms_norm_eps, device));
+    const int64_t q_width = c.qk_norm_full_width ? heads * head_dim : head_dim;
+    const int64_t k_width = c.qk_norm_full_width ? kv_heads * head_dim : head_dim;
+    q_norm = register_module("q_norm", rms_norm(q_width, c, device));
+    k_norm = register_module("k_norm", rms_norm(k_width, c, device));
   }
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                   const at::Tensor& mask, LayerKvCache* cache) {
   const int64_t batch = x.size(0), time = x.size(1);
-  at::Tensor q = mdist::nn::call(q_proj, x).view({batch, time, heads, head_dim});
-  at::Tensor k = mdist::nn::call(k_proj, x).view({batch, time, kv_heads, head_dim});
-  at::Tensor v = mdist::nn::call(v_proj, x).view({batch, time, kv_heads, head_dim});
-  if (q_norm) {
+  at::Tensor q, k, v;
+  if (qkv_proj) {  // rows: q, then k, then v
+    const at::Tensor qkv = mdist::nn::call(qkv_proj, x);
+    q = qkv.narrow(-1, 0, heads * head_dim);
+    k = qkv.narrow(-1, heads * head_dim, kv_heads * head_dim);
+    v = qkv.narrow(-1, (heads + kv_heads) * head_dim, kv_heads * head_dim);
+  } else {
+    q = mdist::nn::call(q_proj, x);
+    k = mdist::nn::call(k_proj, x);
+    v = mdist::nn::call(v_proj, x);
+  }
+  if (q_norm && qk_norm_full_width) {  // OLMo 2: over all heads at once
+    q = mdist::nn::call(q_norm, q);
+    k = mdist::nn::call(k_norm, k);
+  }
+  q = q.view({batch, time, heads, head_dim});
+  k = k.view({batch, time, kv_heads, head_dim});
+  v = v.view({batch, time, kv_heads, head_dim});
+  if (q_norm && !qk_norm_full_width) {  // Qwen3: per head
     q = mdist::nn::call(q_norm, q);
     k = mdist::nn::call(k_norm, k);
   }
   q = q.transpose(1, 2);
   k = k.transpose(1, 2);
   v = v.transpose(1, 2);
-  q = apply_rotary(q, cos, sin);
-  k = apply_rotary(k, cos, sin);
+  // fp32 tables (OLMo 2) rotate in fp32; the result goes back to the projections' dtype.
+  q = apply_rotary(q, cos, sin).to(x.scalar_type());
+  k = apply_rotary(k, cos, sin).to(x.scalar_type());
   const int64_t repeats = heads / kv_heads;
   at::Tensor out;
   if (cache == nullptr) {
@@ -146,10 +182,15 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
 }
 
 MLPImpl::MLPImpl(const LlamaConfig& c, c10::Device device) {
-  gate_proj =
-      register_module("gate_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias, device));
-  up_proj =
-      register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias, device));
+  if (c.fused_projections) {
+    gate_up_proj = register_module(
+        "gate_up_proj", linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, device));
+  } else {
+    gate_proj = register_module("gate_proj",
+                                linear(c.hidden_size, c.intermediate_size, c.mlp_bias, device));
+    up_proj =
+        register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias, device));
+  }
   down_proj =
       register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias, device));
 }
@@ -164,6 +205,10 @@ MLPImpl::MLPImpl(int64_t hidden, int64_t intermediate, bool mixtral_names, c10::
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
+  if (gate_up_proj) {  // rows: gate, then up
+    const auto halves = mdist::nn::call(gate_up_proj, x).chunk(2, -1);
+    return mdist::nn::call(down_proj, halves[1] * torch::silu(halves[0]));
+  }
   return mdist::nn::call(down_proj,
                          torch::silu(mdist::nn::call(gate_proj, x)) * mdist::nn::call(up_proj, x));
 }
@@ -272,22 +317,34 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c, c10::Device device, int
   } else {
     mlp = register_module("mlp", MLP(c, device));
   }
-  input_layernorm =
-      register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, device));
+  if (!c.post_norms) {
+    input_layernorm = register_module("input_layernorm", rms_norm(c.hidden_size, c, device));
+  }
   post_attention_layernorm =
-      register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, device));
+      register_module("post_attention_layernorm", rms_norm(c.hidden_size, c, device));
+  if (c.post_norms) {
+    post_feedforward_layernorm =
+        register_module("post_feedforward_layernorm", rms_norm(c.hidden_size, c, device));
+  }
 }
 
 at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos,
                                      const at::Tensor& sin, const at::Tensor& mask,
                                      LayerKvCache* cache) {
+  if (post_feedforward_layernorm) {  // OLMo 2: each sub-layer's output normalised, then added
+    const at::Tensor h = x + mdist::nn::call(post_attention_layernorm,
+                                             mdist::nn::call(self_attn, x, cos, sin, mask, cache));
+    const at::Tensor out = moe ? mdist::nn::call(moe, h) : mdist::nn::call(mlp, h);
+    return h + mdist::nn::call(post_feedforward_layernorm, out);
+  }
   const at::Tensor h =
       x + mdist::nn::call(self_attn, mdist::nn::call(input_layernorm, x), cos, sin, mask, cache);
   const at::Tensor normed = mdist::nn::call(post_attention_layernorm, h);
   return h + (moe ? mdist::nn::call(moe, normed) : mdist::nn::call(mlp, normed));
 }
 
-DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c, c10::Device device) : rotary(c) {
+DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c, c10::Device device)
+    : rotary(c), rotary_in_fp32(c.fp32_norm_weight_and_rotary) {
   auto options = torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size);
   if (c.pad_token_id) options.padding_idx(*c.pad_token_id);  // as HF: no gradient for it
   embed_tokens = register_module("embed_tokens", embedding(options, device));
@@ -297,7 +354,7 @@ DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c, c10::Device device) : r
     windows.push_back(c.window_of(i));
     layers->push_back(decoder_layers.back());
   }
-  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, device));
+  norm = register_module("norm", rms_norm(c.hidden_size, c, device));
 }
 
 at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
@@ -328,7 +385,8 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
           ? position_ids
           : torch::arange(past, keys, torch::TensorOptions().dtype(at::kLong).device(device));
   if (positions.dim() == 1) positions = positions.unsqueeze(0);
-  const auto [cos, sin] = rotary.cos_sin(positions.expand({batch, time}), h.scalar_type());
+  const auto [cos, sin] = rotary.cos_sin(positions.expand({batch, time}),
+                                         rotary_in_fp32 ? at::kFloat : h.scalar_type());
 
   // Packed sequences, as transformers' training detects them (masking_utils'
   // find_packed_sequence_indices): with position ids, no attention mask and no cache, a row

@@ -45,12 +45,13 @@ T optional_as(const Json& j, const char* key, T fallback) {
 
 constexpr const char* kSupported =
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-    "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM";
+    "Phi3ForCausalLM, Olmo2ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
+    "MixtralForCausalLM";
 
 bool supported(const std::string& architecture) {
-  for (const char* name :
-       {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"}) {
+  for (const char* name : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
+                           "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"}) {
     if (architecture == name) return true;
   }
   return false;
@@ -69,6 +70,8 @@ std::string architecture_of(const Json& j, std::vector<std::string>& architectur
   if (model_type == "mistral") return "MistralForCausalLM";
   if (model_type == "qwen2") return "Qwen2ForCausalLM";
   if (model_type == "qwen3") return "Qwen3ForCausalLM";
+  if (model_type == "phi3") return "Phi3ForCausalLM";
+  if (model_type == "olmo2") return "Olmo2ForCausalLM";
   if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
   if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
   if (model_type == "mixtral") return "MixtralForCausalLM";
@@ -227,6 +230,8 @@ struct Family {
   bool qwen = false;       // any Qwen
   bool mixtral = false;
   bool mistral = false;  // Mistral, Mixtral
+  bool phi3 = false;     // Phi-3, Phi-3.5, Phi-4
+  bool olmo2 = false;
 };
 
 Family family_of(const std::string& architecture) {
@@ -236,6 +241,8 @@ Family family_of(const std::string& architecture) {
   f.qwen = f.qwen3 || f.qwen2_moe || architecture == "Qwen2ForCausalLM";
   f.mixtral = architecture == "MixtralForCausalLM";
   f.mistral = f.mixtral || architecture == "MistralForCausalLM";
+  f.phi3 = architecture == "Phi3ForCausalLM";
+  f.olmo2 = architecture == "Olmo2ForCausalLM";
   return f;
 }
 
@@ -297,12 +304,24 @@ void read_model_settings(const Json& j, const Family& family, LlamaConfig& c) {
   c.max_position_embeddings = optional_as<int64_t>(j, "max_position_embeddings",
                                                    family.qwen      ? 32768
                                                    : family.mistral ? 131072
+                                                   : family.phi3    ? 4096
                                                                     : 2048);
   if (c.max_position_embeddings <= 0) fail("max_position_embeddings must be positive");
-  c.rms_norm_eps = optional_as<double>(j, "rms_norm_eps", 1e-6);
+  c.rms_norm_eps =
+      optional_as<double>(j, "rms_norm_eps", family.phi3 || family.olmo2 ? 1e-5 : 1e-6);
   c.tie_word_embeddings = optional_as<bool>(j, "tie_word_embeddings", false);
-  if (const auto it = j.find("pad_token_id"); it != j.end() && !it->is_null()) {
-    c.pad_token_id = get_as<int64_t>(*it, "pad_token_id");
+  // Phi3Config and Olmo2Config default pad_token_id to 32000 and 1 (the others to none); a
+  // null in config.json is none for every family.
+  const auto pad = j.find("pad_token_id");
+  if (pad == j.end() && (family.phi3 || family.olmo2)) {
+    c.pad_token_id = family.phi3 ? 32000 : 1;
+    if (*c.pad_token_id >= c.vocab_size) {
+      fail("pad_token_id defaults to " + std::to_string(*c.pad_token_id) + " for " +
+           c.architecture + ", outside the vocabulary of " + std::to_string(c.vocab_size) +
+           " (set pad_token_id in config.json)");
+    }
+  } else if (pad != j.end() && !pad->is_null()) {
+    c.pad_token_id = get_as<int64_t>(*pad, "pad_token_id");
     if (*c.pad_token_id < 0 || *c.pad_token_id >= c.vocab_size) {
       fail("pad_token_id " + std::to_string(*c.pad_token_id) + " is outside the vocabulary");
     }
@@ -326,13 +345,22 @@ const char* rope_key(const Json& j) {
   return j.contains("rope_parameters") ? "rope_parameters" : "rope_scaling";
 }
 
+// Phi3Config's spellings: its older checkpoints' "su" and "yarn" are longrope (transformers
+// renames them as it reads the config).
+void phi3_rope(Json& rope) {
+  for (const char* name : {"rope_type", "type"}) {
+    const auto it = rope.find(name);
+    if (it != rope.end() && it->is_string() && (*it == "su" || *it == "yarn")) *it = "longrope";
+  }
+}
+
 // RoPE: theta and partial_rotary_factor from the rope object, else from the top level (as
 // transformers' convert_rope_params_to_dict moves them in), else the config class's default.
 void read_rope(const Json& j, const Family& family, LlamaConfig& c) {
   const char* key = rope_key(j);
-  const Json none;
   const auto it = j.find(key);
-  const Json& rope = it == j.end() ? none : *it;
+  Json rope = it == j.end() ? Json() : *it;
+  if (family.phi3 && rope.is_object()) phi3_rope(rope);
   const double default_theta = family.mixtral ? 1000000.0 : 10000.0;  // MixtralConfig's
   const double top_theta = optional_as<double>(j, "rope_theta", default_theta);
   const double top_partial = optional_as<double>(j, "partial_rotary_factor", 1.0);
@@ -345,21 +373,40 @@ void read_rope(const Json& j, const Family& family, LlamaConfig& c) {
   if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1)) {
     fail("partial_rotary_factor must be in (0, 1]");
   }
-  // The attention of these architectures in transformers 5.24 rotates the whole head: it
-  // ignores the factor with the default RoPE and fails on shapes with the others. The rotary
-  // code supports it (mdist/hf/rotary.h) for the architectures that apply it (Phi-3).
-  if (c.partial_rotary_factor != 1.0) {
+  // The attention of the other architectures in transformers 5.24 rotates the whole head: it
+  // ignores the factor with the default RoPE and fails on shapes with the others. Phi-3's
+  // rotates the first int(head_dim * factor) channels (mdist/hf/rotary.h).
+  if (c.partial_rotary_factor != 1.0 && !family.phi3) {
     fail("partial_rotary_factor " + std::to_string(c.partial_rotary_factor) +
          " is not supported for " + c.architecture + " (its attention rotates the whole head)");
   }
+  const int64_t rotary =
+      static_cast<int64_t>(static_cast<double>(c.head_dim) * c.partial_rotary_factor);
+  if (rotary % 2 != 0 || rotary == 0) {
+    fail("RoPE requires an even rotary dimension, but head_dim " + std::to_string(c.head_dim) +
+         " times partial_rotary_factor is " + std::to_string(rotary));
+  }
+  if (family.phi3 && c.rope_scaling && c.rope_scaling->rope_type != "longrope") {
+    fail(std::string(key) + " type '" + c.rope_scaling->rope_type +
+         "' is not supported for Phi3ForCausalLM (supported: default, longrope)");
+  }
+  if (family.phi3 && c.rope_scaling) {
+    // Phi3Config keeps the pretraining length at the top level (default 4096), and
+    // transformers gives it priority over the rope object's.
+    c.rope_scaling->original_max_position_embeddings =
+        optional_as<int64_t>(j, "original_max_position_embeddings", 4096);
+    if (c.rope_scaling->original_max_position_embeddings <= 0) {
+      fail("original_max_position_embeddings must be positive");
+    }
+  }
   if (c.rope_scaling && c.rope_scaling->rope_type == "longrope") {
-    const std::size_t frequencies = static_cast<std::size_t>(c.head_dim / 2);
+    const std::size_t frequencies = static_cast<std::size_t>(rotary / 2);
     for (const auto* factors : {&c.rope_scaling->short_factor, &c.rope_scaling->long_factor}) {
       if (factors->size() != frequencies) {
         fail(std::string(key) + " '" +
              (factors == &c.rope_scaling->short_factor ? "short_factor" : "long_factor") +
              "' has " + std::to_string(factors->size()) + " entries, but the rotary dimension " +
-             std::to_string(c.head_dim) + " needs " + std::to_string(frequencies));
+             std::to_string(rotary) + " needs " + std::to_string(frequencies));
       }
     }
   }
@@ -378,6 +425,13 @@ void read_biases(const Json& j, const Family& family, LlamaConfig& c) {
   } else if (family.qwen3) {
     c.qkv_bias = c.o_bias = attention_bias;
     c.qk_norm = true;
+  } else if (family.phi3) {
+    c.fused_projections = true;  // no bias anywhere
+  } else if (family.olmo2) {
+    c.qkv_bias = c.o_bias = attention_bias;
+    c.qk_norm = c.qk_norm_full_width = true;
+    c.post_norms = true;
+    c.fp32_norm_weight_and_rotary = true;
   }
 }
 
@@ -432,7 +486,13 @@ void read_attention_layers(const Json& j, const Family& family, LlamaConfig& c) 
     c.sliding_window = it == j.end() ? std::optional<int64_t>(4096) : positive_window(*it);
     return;
   }
-  if (!family.qwen) {  // Llama: no window
+  if (family.phi3) {
+    // Phi3Config: no window unless one is given; then every layer is windowed.
+    if (const auto it = j.find("sliding_window"); it != j.end())
+      c.sliding_window = positive_window(*it);
+    return;
+  }
+  if (!family.qwen) {  // Llama, OLMo 2: no window
     if (optional_as<bool>(j, "use_sliding_window", false)) {
       fail("use_sliding_window=true is not supported for " + c.architecture);
     }
@@ -544,7 +604,7 @@ std::string LlamaConfig::to_json() const {
   j["tie_word_embeddings"] = tie_word_embeddings;
   j[v5_dtype ? "dtype" : "torch_dtype"] = torch_dtype;
   if (architecture == "LlamaForCausalLM" || architecture == "Qwen3ForCausalLM" ||
-      architecture == "Qwen3MoeForCausalLM") {
+      architecture == "Qwen3MoeForCausalLM" || architecture == "Olmo2ForCausalLM") {
     j["attention_bias"] = qkv_bias;
   }
   if (architecture == "LlamaForCausalLM") j["mlp_bias"] = mlp_bias;
@@ -563,7 +623,11 @@ std::string LlamaConfig::to_json() const {
     j["router_aux_loss_coef"] = moe->router_aux_loss_coef;
     j["output_router_logits"] = moe->output_router_logits;
   }
-  if (architecture == "MistralForCausalLM" || architecture == "MixtralForCausalLM") {
+  if (architecture == "Phi3ForCausalLM" && rope_scaling) {
+    j["original_max_position_embeddings"] = rope_scaling->original_max_position_embeddings;
+  }
+  if (architecture == "MistralForCausalLM" || architecture == "MixtralForCausalLM" ||
+      architecture == "Phi3ForCausalLM") {
     j["sliding_window"] = sliding_window ? Json(*sliding_window) : Json(nullptr);
   } else if (family_of(architecture).qwen) {
     j["use_sliding_window"] = sliding_window.has_value();

@@ -111,6 +111,16 @@ std::vector<std::vector<int64_t>> generate(CausalLM& model,
     return padded ? generation_position_ids(mask, tokens) : at::Tensor();
   };
 
+  // Phi-3 with longrope, as transformers' Phi3ForCausalLM.prepare_inputs_for_generation: when
+  // the sequence first outgrows original_max_position_embeddings, the keys cached so far were
+  // rotated with the short factors; the cache is dropped and the whole sequence recomputed on
+  // the long ones.
+  const auto& rope = model->config.rope_scaling;
+  const bool recompute =
+      model->config.architecture == "Phi3ForCausalLM" && rope && rope->rope_type == "longrope";
+  const int64_t original = rope ? rope->original_max_position_embeddings : 0;
+  at::Tensor sequence = ids;  // [batch, tokens so far], for the recomputation
+
   KvCache cache(model->config.num_hidden_layers);
   auto generator = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   std::vector<std::vector<int64_t>> outputs(prompts.size());
@@ -140,10 +150,17 @@ std::vector<std::vector<int64_t>> generate(CausalLM& model,
       break;
     }
     if (padded) mask = at::cat({mask, torch::ones({batch, 1}, mask.options())}, 1);
-    logits = model
-                 ->forward(torch::tensor(next, long_cpu).view({batch, 1}).to(device), step_mask(),
-                           step_positions(1), &cache)
-                 .select(1, -1);
+    const at::Tensor next_ids = torch::tensor(next, long_cpu).view({batch, 1});
+    sequence = at::cat({sequence, next_ids}, 1);
+    if (recompute && sequence.size(1) > original && cache.length() <= original) {
+      cache = KvCache(model->config.num_hidden_layers);
+      logits =
+          model->forward(sequence.to(device), step_mask(), step_positions(sequence.size(1)), &cache)
+              .select(1, -1);
+      continue;
+    }
+    logits =
+        model->forward(next_ids.to(device), step_mask(), step_positions(1), &cache).select(1, -1);
   }
   return outputs;
 }

@@ -169,6 +169,19 @@ void check_tensor_parallel_split(const LlamaConfig& c, int t) {
   if (c.moe)
     fail(c.architecture +
          " is a mixture of experts; tensor parallelism of MoE layers is not supported yet");
+  // Phi-3's fused projections would need one rank's q, k and v heads (and gate and up
+  // halves) cut out of one weight as three (two) row ranges; OLMo 2's q/k norms span every
+  // head, so each rank's would need the other ranks' sums of squares. Neither is implemented.
+  if (c.fused_projections) {
+    fail(c.architecture +
+         "'s fused self_attn.qkv_proj and mlp.gate_up_proj are not split by tensor parallelism "
+         "yet");
+  }
+  if (c.qk_norm_full_width) {
+    fail(c.architecture +
+         "'s self_attn.q_norm and k_norm span all heads; tensor parallelism of them is not "
+         "supported yet");
+  }
   if (c.num_attention_heads % t != 0) {
     fail("num_attention_heads " + std::to_string(c.num_attention_heads) + " does not divide by " +
          ts);

@@ -5,7 +5,9 @@ mdist's save_pretrained wrote, and computes the same logits mdist did.
 Works for every fixture, the mixtures of experts included (mdist writes their published
 per-expert layout, which transformers 5 fuses on load), and the RoPE / layer-type fixtures of
 make_rope_fixtures.py (rope_yarn, rope_longrope, rope_dynamic, qwen3_sliding, ...: the rope
-object and layer_types that mdist's config.json writes are read back by transformers)."""
+object and layer_types that mdist's config.json writes are read back by transformers), and
+make_family_fixtures.py's phi3, phi3_bf16 and olmo2 (LENGTH 24: beyond Phi-3's
+original_max_position_embeddings, so its long factors run)."""
 import sys
 
 import numpy as np

@@ -1,6 +1,6 @@
 #pragma once
-// Reading the parity fixtures make_fixtures.py, make_rope_fixtures.py and
-// make_generate_fixtures.py write under tests/hf_model/fixtures/<name>/: manifest.json names,
+// Reading the parity fixtures make_fixtures.py, make_rope_fixtures.py, make_family_fixtures.py
+// and make_generate_fixtures.py write under tests/hf_model/fixtures/<name>/: manifest.json names,
 // dtypes, shapes and offsets into tensors.bin (raw little-endian; the readers assume a
 // little-endian host). Shared by the parity tests that compile MDIST_HF_MODEL_FIXTURES in.
 #include <gtest/gtest.h>

@@ -22,8 +22,11 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 HERE = pathlib.Path(__file__).resolve().parent / "fixtures"
+# phi3 (make_family_fixtures.py): longrope with original_max_position_embeddings 16, so the
+# generation crosses it, where transformers' Phi-3 drops its cache and recomputes the whole
+# sequence on the long factors.
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe_norm", "qwen3_moe_ties",
-         "qwen2_moe", "mixtral"]
+         "qwen2_moe", "mixtral", "phi3", "olmo2"]
 MAX_NEW_TOKENS = 24  # with a 7-token prompt, well past mistral's sliding window of 5
 CODES = {"f16": np.float16, "f32": np.float32, "i64": np.int64}
 
@@ -99,8 +102,12 @@ def write(arch):
                for n in (7, 3, 5)]
     cases = [{"prompts": [p], "outputs": generate(model, config, [p])} for p in prompts]
     batch = generate(model, config, prompts)
-    # Batch rows are independent: left padding must not change a row's tokens.
-    assert batch == [c["outputs"][0] for c in cases], (arch, batch, cases)
+    # Batch rows are independent: left padding must not change a row's tokens. Except with
+    # longrope (phi3): the factors switch for the whole batch when its longest row (and the
+    # cache recomputation when the padded width) passes original_max_position_embeddings, which
+    # is earlier for the shorter rows than alone.
+    if arch != "phi3":
+        assert batch == [c["outputs"][0] for c in cases], (arch, batch, cases)
     cases.append({"prompts": prompts, "outputs": batch})
     (HERE / arch / "generate.json").write_text(json.dumps({
         "transformers_version": transformers.__version__, "torch_version": torch.__version__,

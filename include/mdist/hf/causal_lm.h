@@ -1,13 +1,17 @@
 #pragma once
 // The Hugging Face Llama-family causal LM (LlamaForCausalLM, MistralForCausalLM,
-// Qwen2ForCausalLM, Qwen3ForCausalLM, and the mixtures of experts Qwen3MoeForCausalLM and
-// MixtralForCausalLM) as a libtorch module whose parameter names are the keys of the
-// published checkpoints, so a checkpoint loads by name with no mapping table:
+// Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, and the mixtures of
+// experts Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and MixtralForCausalLM) as a libtorch module
+// whose parameter names are the keys of the published checkpoints, so a checkpoint loads by
+// name with no mapping table:
 //
 //   model.embed_tokens.weight
 //   model.layers.N.self_attn.{q,k,v,o}_proj.{weight,bias}     bias per LlamaConfig
-//   model.layers.N.self_attn.{q,k}_norm.weight                Qwen3, Qwen3-MoE
+//   model.layers.N.self_attn.qkv_proj.weight                  Phi-3: q, k, v fused (rows)
+//   model.layers.N.self_attn.{q,k}_norm.weight                Qwen3, Qwen3-MoE (one head wide),
+//                                                               OLMo 2 (the whole projection)
 //   model.layers.N.mlp.{gate,up,down}_proj.weight              dense layers
+//   model.layers.N.mlp.gate_up_proj.weight                     Phi-3: gate, up fused (rows)
 //   model.layers.N.mlp.gate.weight                             Qwen3-MoE sparse layers: router
 //   model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight      and experts
 //   model.layers.N.mlp.shared_expert.{gate,up,down}_proj.weight Qwen2-MoE: shared expert
@@ -15,6 +19,7 @@
 //   model.layers.N.block_sparse_moe.gate.weight                Mixtral: router
 //   model.layers.N.block_sparse_moe.experts.E.w{1,3,2}.weight    and experts (gate, up, down)
 //   model.layers.N.{input,post_attention}_layernorm.weight
+//   model.layers.N.post_feedforward_layernorm.weight          OLMo 2 (which has no input norm)
 //   model.norm.weight
 //   lm_head.weight                                            absent when tie_word_embeddings
 //
@@ -61,11 +66,13 @@
 namespace mdist::hf {
 
 // HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, cast to x's dtype, times weight.
+// weight_in_fp32 (OLMo 2's): times weight in fp32, then cast to x's dtype.
 struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double eps, c10::Device device = c10::kCPU);
+  RMSNormImpl(int64_t dim, double eps, c10::Device device = c10::kCPU, bool weight_in_fp32 = false);
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;
   double eps;
+  bool weight_in_fp32 = false;
 };
 TORCH_MODULE(RMSNorm);
 
@@ -79,7 +86,9 @@ struct AttentionImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& mask, LayerKvCache* cache = nullptr);
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3 only
+  torch::nn::Linear qkv_proj{nullptr};       // Phi-3: instead of q/k/v_proj
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3 (per head), OLMo 2 (whole projection)
+  bool qk_norm_full_width = false;           // LlamaConfig::qk_norm_full_width
   int64_t heads, kv_heads, head_dim;
 };
 TORCH_MODULE(Attention);
@@ -91,6 +100,7 @@ struct MLPImpl : torch::nn::Module {  // SwiGLU
   MLPImpl(int64_t hidden, int64_t intermediate, bool mixtral_names, c10::Device device);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  torch::nn::Linear gate_up_proj{nullptr};  // Phi-3: instead of gate_proj and up_proj
 };
 TORCH_MODULE(MLP);
 
@@ -166,7 +176,11 @@ struct DecoderLayerImpl : torch::nn::Module {
   Attention self_attn{nullptr};
   MLP mlp{nullptr};             // a dense layer
   SparseMoeBlock moe{nullptr};  // a sparse layer (registered as "mlp" or "block_sparse_moe")
+  // Pre-norm (the others): input_layernorm before attention, post_attention_layernorm
+  // before the MLP. Post-norm (OLMo 2, LlamaConfig::post_norms): no input_layernorm;
+  // post_attention_layernorm and post_feedforward_layernorm on the sub-layers' outputs.
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  RMSNorm post_feedforward_layernorm{nullptr};
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -189,6 +203,7 @@ struct DecoderModelImpl : torch::nn::Module {
   RMSNorm norm{nullptr};
   // Not parameters or buffers, as HF's non-persistent inv_freq; holds the dynamic-RoPE state.
   RotaryEmbedding rotary;
+  bool rotary_in_fp32 = false;                  // OLMo 2: cos and sin stay fp32 in a bf16 model
   std::vector<std::optional<int64_t>> windows;  // each layer's attention window (none: full)
   // Per layer: run under activation checkpointing when training (empty: none). Set by
   // hf::apply_activation_checkpointing (mdist/hf/activation_checkpointing.h).

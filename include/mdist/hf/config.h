@@ -1,9 +1,9 @@
 #pragma once
 // The configuration of a Hugging Face Llama-family causal LM (config.json), for
 // mdist::hf::CausalLM. Supported architectures: LlamaForCausalLM, MistralForCausalLM,
-// Qwen2ForCausalLM, Qwen3ForCausalLM and the mixtures of experts Qwen3MoeForCausalLM,
-// Qwen2MoeForCausalLM and MixtralForCausalLM, whose decoders differ only in what this struct
-// holds.
+// Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-3.5, Phi-4),
+// Olmo2ForCausalLM and the mixtures of experts Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and
+// MixtralForCausalLM, whose decoders differ only in what this struct holds.
 //
 // Both config.json styles are read: transformers 4 (top-level "rope_theta" and
 // "rope_scaling") and transformers 5 ("rope_parameters" holding rope_theta and rope_type).
@@ -102,7 +102,19 @@ struct LlamaConfig {
   bool qkv_bias = false;  // bias on q/k/v_proj (Llama attention_bias; always for Qwen2)
   bool o_bias = false;    // bias on o_proj (Llama attention_bias; never for Qwen2)
   bool mlp_bias = false;  // Llama mlp_bias
-  bool qk_norm = false;   // Qwen3: RMSNorm over head_dim of q and k (q_norm, k_norm)
+  bool qk_norm = false;   // Qwen3, OLMo 2: RMSNorm of q and k (q_norm, k_norm)
+  // OLMo 2: q_norm and k_norm span the whole projection (heads * head_dim) and run before the
+  // split into heads; Qwen3's span one head.
+  bool qk_norm_full_width = false;
+  // Phi-3: q/k/v as one qkv_proj (rows q, then k, then v) and gate/up as one gate_up_proj
+  // (rows gate, then up), as the checkpoints store them; kept fused so the names stay theirs.
+  bool fused_projections = false;
+  // OLMo 2: no input_layernorm; post_attention_layernorm and post_feedforward_layernorm
+  // normalise each sub-layer's output before it is added to the residual.
+  bool post_norms = false;
+  // OLMo 2's numerics: RMSNorm multiplies by its weight in fp32 before the cast back, and the
+  // rotary tables stay fp32 (q and k are rotated in fp32, then cast back).
+  bool fp32_norm_weight_and_rotary = false;
   std::string torch_dtype = "float32";  // "torch_dtype" (transformers 4) or "dtype" (5)
   std::optional<MoeConfig> moe;         // none: a dense model
 

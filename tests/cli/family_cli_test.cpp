@@ -1,0 +1,146 @@
+// Phi-3 and OLMo 2 through `mdist` end to end (real processes through mdistrun): FSDP2 over 2
+// ranks trains as one process, --tp is refused naming the module that cannot split, and
+// calibration names the Linears as modelopt does (Phi-3's fused qkv_proj and gate_up_proj).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "tests/cli/mdist_command.h"
+#include "tests/support/subprocess.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using mdist::testing::error_lines;
+using mdist::testing::MdistCommand;
+using mdist::testing::RunResult;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+class MdistFamilies : public MdistCommand {
+ protected:
+  // A seeded model directory in dir_/NAME written by mdist's save_pretrained: byte vocabulary,
+  // hidden 32, 2 layers. Phi-3: longrope with the pretraining length 16 (the 32-token
+  // sequences take the long factors), partial rotary 0.5, a window of 24. OLMo 2: as its
+  // config class, with q/k/v/o bias.
+  fs::path model(const std::string& name) {
+    const auto config_dir = dir_ / (name + "-config");
+    fs::create_directories(config_dir);
+    const std::string common =
+        R"("hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+           "pad_token_id": 0, "max_position_embeddings": 64)";
+    std::ofstream(config_dir / "config.json")
+        << (name == "phi3"
+                ? R"({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", )" + common +
+                      R"(, "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5,
+                      "sliding_window": 24, "rope_scaling": {"type": "longrope",
+                      "short_factor": [1.0, 1.3], "long_factor": [1.5, 6.0]}})"
+                : R"({"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", )" + common +
+                      R"(, "attention_bias": true})")
+        << "\n";
+    const auto out = dir_ / name;
+    const auto r =
+        mdist::testing::run({MDIST_SAVE_FOR_TRANSFORMERS, config_dir.string(), out.string()});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return out;
+  }
+
+  static std::vector<double> losses(const fs::path& run) {
+    std::vector<double> out;
+    for (const auto& line : metrics(run)) out.push_back(line["loss"].get<double>());
+    return out;
+  }
+};
+
+// 5 AdamW steps on 2 ranks (FSDP2: each decoder layer a unit, then the root) give one
+// process's losses (1e-5 relative).
+TEST_F(MdistFamilies, TwoRanksWithFsdp2TrainAsOneProcess) {
+  for (const std::string name : {"phi3", "olmo2"}) {
+    const auto dir = model(name);
+    std::vector<std::vector<double>> runs;
+    for (const int ranks : {1, 2}) {
+      const auto out = dir_ / (name + "-np" + std::to_string(ranks));
+      const RunResult r = mdist(
+          ranks, train_args({"--model", dir.string(), "--steps", "5", "--out", out.string()}));
+      ASSERT_EQ(r.exit_code, 0) << describe(r);
+      EXPECT_THAT(r.out, HasSubstr(name == "phi3" ? "(Phi3ForCausalLM)" : "(Olmo2ForCausalLM)"));
+      runs.push_back(losses(out));
+      ASSERT_EQ(runs.back().size(), 5u) << name;
+    }
+    double gap = 0;
+    for (std::size_t i = 0; i < 5; ++i) {
+      gap = std::max(gap, std::abs(runs[0][i] - runs[1][i]) / std::abs(runs[0][i]));
+    }
+    EXPECT_LT(gap, 1e-5) << name;
+    EXPECT_LT(runs[0].back(), runs[0].front()) << name;  // it trains
+    std::cout << name << ": 2 ranks' losses within " << gap << " (relative) of 1 rank's\n";
+  }
+}
+
+// --tp: one line naming the module that cannot split, exit code 2, nothing written.
+TEST_F(MdistFamilies, TensorParallelismIsRefusedNamingTheModule) {
+  const struct {
+    std::string name, message;
+  } cases[] = {
+      {"phi3",
+       "mdist train: error: --tp 2: cannot split the model over 2 tensor-parallel ranks: "
+       "Phi3ForCausalLM's fused self_attn.qkv_proj and mlp.gate_up_proj are not split by "
+       "tensor parallelism yet"},
+      {"olmo2",
+       "mdist train: error: --tp 2: cannot split the model over 2 tensor-parallel ranks: "
+       "Olmo2ForCausalLM's self_attn.q_norm and k_norm span all heads; tensor parallelism of "
+       "them is not supported yet"},
+  };
+  for (const auto& c : cases) {
+    const auto dir = model(c.name);
+    const auto out = dir_ / (c.name + "-tp");
+    const RunResult r = mdist(2, train_args({"--model", dir.string(), "--steps", "2", "--tp", "2",
+                                             "--out", out.string()}));
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << describe(r);
+    EXPECT_EQ(error_lines(r.err), 1) << describe(r);
+    EXPECT_THAT(r.err, Not(HasSubstr("[rank1]"))) << describe(r);
+    EXPECT_FALSE(fs::exists(out)) << c.name;
+  }
+}
+
+// Calibration records every Linear under its module name, as modelopt names its quantizers:
+// Phi-3's fused projections are one Linear each.
+TEST_F(MdistFamilies, CalibrationNamesTheLinearsAsModelopt) {
+  const struct {
+    std::string name;
+    std::vector<std::string> per_layer;
+  } cases[] = {
+      {"phi3", {"mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj", "self_attn.qkv_proj"}},
+      {"olmo2",
+       {"mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
+        "self_attn.q_proj", "self_attn.v_proj"}},
+  };
+  for (const auto& c : cases) {
+    const auto dir = model(c.name);
+    const auto out = dir_ / (c.name + ".json");
+    const RunResult r = mdist(2, {"calibrate", "--model", dir.string(), "--seq-len", "32",
+                                  "--max-sequences", "4", "--out", out.string()});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const auto result = nlohmann::json::parse(read(out));
+    std::set<std::string> names, expected = {"lm_head"};
+    for (const auto& [name, stats] : result.at("modules").items()) names.insert(name);
+    for (const int layer : {0, 1}) {
+      for (const auto& module : c.per_layer) {
+        expected.insert("model.layers." + std::to_string(layer) + "." + module);
+      }
+    }
+    EXPECT_EQ(names, expected) << c.name;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,352 @@
+// Phi-3 (Phi3ForCausalLM: fused qkv_proj and gate_up_proj, longrope with the pretraining length
+// at the top level, partial rotary, a window on every layer) and OLMo 2 (Olmo2ForCausalLM: norms
+// after each sub-layer, q/k norms over the whole projections, fp32 norm weights and rotation)
+// against transformers 5.24: the fixtures make_family_fixtures.py writes (24 tokens, beyond
+// original_max_position_embeddings 16 and the window of 5), and the configs' reading,
+// refusing and writing.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <string>
+
+#include "mdist/error.h"
+#include "mdist/hf/causal_lm.h"
+#include "mdist/hf/config.h"
+#include "mdist/hf/fsdp2_wrap.h"
+#include "mdist/hf/generate.h"
+#include "mdist/hf/rotary.h"
+#include "mdist/hf/tensor_parallel.h"
+#include "tests/hf_model/fixture_reader.h"
+
+namespace {
+
+using mdist::hf::CausalLM;
+using mdist::hf::ConfigError;
+using mdist::hf::LlamaConfig;
+using mdist::test::fixture_dir;
+using mdist::test::is_weight;
+using mdist::test::read_fixture;
+using mdist::test::read_text;
+using mdist::test::weights_of;
+using ::testing::HasSubstr;
+
+LlamaConfig config_of(const std::string& name) {
+  return LlamaConfig::from_file(fixture_dir(name) + "/config.json");
+}
+
+CausalLM loaded(const LlamaConfig& config, const std::map<std::string, at::Tensor>& fixture,
+                at::ScalarType dtype = at::kFloat) {
+  CausalLM model(config);
+  model->to(dtype);
+  mdist::hf::load_state_dict(model, weights_of(fixture));
+  model->eval();
+  return model;
+}
+
+// The largest |difference| of the logits at real (not padding) tokens.
+double real_error(const at::Tensor& logits, const std::map<std::string, at::Tensor>& fixture) {
+  const at::Tensor real = fixture.at("attention_mask").to(at::kBool);
+  return (logits.to(at::kFloat) - fixture.at("logits")).abs().index({real}).max().item<double>();
+}
+
+// Each parameter's gradient norm against transformers', relative; parameters in name order.
+double worst_gradient_error(CausalLM& model, const at::Tensor& norms) {
+  auto params = model->named_parameters().pairs();
+  std::sort(params.begin(), params.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  EXPECT_EQ(norms.numel(), static_cast<int64_t>(params.size()));
+  double worst = 0;
+  for (std::size_t i = 0; i < params.size() && i < static_cast<std::size_t>(norms.numel()); ++i) {
+    const double expected = norms[static_cast<int64_t>(i)].item<double>();
+    EXPECT_TRUE(params[i].second.grad().defined()) << params[i].first;
+    if (!params[i].second.grad().defined()) continue;
+    EXPECT_GT(expected, 0) << params[i].first;
+    const double actual = params[i].second.grad().to(at::kFloat).norm().item<double>();
+    worst = std::max(worst, std::abs(actual - expected) / expected);
+  }
+  return worst;
+}
+
+class FamilyParity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(FamilyParity, ParameterNamesAreTheCheckpointKeys) {
+  const auto fixture = read_fixture(fixture_dir(GetParam()));
+  const CausalLM model(config_of(GetParam()));
+  std::set<std::string> params, keys;
+  for (const auto& item : model->named_parameters()) params.insert(item.key());
+  for (const auto& [name, t] : fixture) {
+    if (is_weight(name)) keys.insert(name);
+  }
+  EXPECT_EQ(params, keys);
+}
+
+// fsdp2_wrap's units: each decoder layer (then the root).
+TEST_P(FamilyParity, Fsdp2WrapFindsTheDecoderLayers) {
+  CausalLM model(config_of(GetParam()));
+  const auto layers = mdist::get_decoder_layers(*model);
+  ASSERT_EQ(layers.size(), 2u);
+  EXPECT_EQ(layers[0].get(), model->model->decoder_layers[0].ptr().get());
+  EXPECT_EQ(layers[1].get(), model->model->decoder_layers[1].ptr().get());
+}
+
+TEST_P(FamilyParity, LogitsLossAndGradientsMatchTransformersInFloat32) {
+  const auto fixture = read_fixture(fixture_dir(GetParam()));
+  CausalLM model = loaded(config_of(GetParam()), fixture);
+  const at::Tensor logits = model->forward(fixture.at("input_ids"), fixture.at("attention_mask"));
+  const double logit_error = real_error(logits, fixture);
+  EXPECT_LT(logit_error, 1e-5) << GetParam();
+  EXPECT_GT(fixture.at("logits").abs().max().item<double>(), 1.0);
+  const at::Tensor loss = CausalLM::Impl::loss(logits, fixture.at("labels"));
+  const double loss_error = std::abs(loss.item<double>() - fixture.at("loss").item<double>());
+  EXPECT_LT(loss_error, 1e-5) << GetParam();
+  loss.backward();
+  const double grad_error = worst_gradient_error(model, fixture.at("grad_norms"));
+  EXPECT_LT(grad_error, 1e-5) << GetParam();
+
+  // Later forwards in transformers' order (phi3: 20 tokens on the long factors, 12 on the
+  // short ones again).
+  double followup_error = 0;
+  for (const int64_t length : {20, 12}) {
+    const std::string key = "logits_" + std::to_string(length);
+    if (!fixture.contains(key)) continue;
+    const at::NoGradGuard no_grad;
+    const at::Tensor later = model->forward(fixture.at("input_ids").slice(1, 0, length));
+    followup_error = std::max(followup_error, (later - fixture.at(key)).abs().max().item<double>());
+  }
+  EXPECT_LT(followup_error, 1e-5) << GetParam();
+  std::printf(
+      "[%s] max |logit error| %.3g, |loss error| %.3g, worst relative grad-norm error %.3g, "
+      "later forwards %.3g\n",
+      GetParam().c_str(), logit_error, loss_error, grad_error, followup_error);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, FamilyParity, ::testing::Values("phi3", "olmo2"));
+
+// The bf16 fixtures: transformers ran the model in bf16 (sdpa). The weights are the same
+// (f16-exact, so bf16-exact here too); the difference is bf16 rounding of kernels that sum in
+// another order: transformers' own eager and sdpa attention differ by 0.13 on these logits
+// (max 5.4 and 6.8), so the bound is that noise, not 1e-5.
+class Bfloat16Parity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Bfloat16Parity, LogitsLossAndGradientsMatchTransformers) {
+  const std::string name = GetParam();
+  const auto fixture = read_fixture(fixture_dir(name));
+  CausalLM model = loaded(config_of(name), fixture, at::kBFloat16);
+  const at::Tensor logits = model->forward(fixture.at("input_ids"), fixture.at("attention_mask"));
+  EXPECT_EQ(logits.scalar_type(), at::kBFloat16);
+  const double scale = fixture.at("logits").abs().max().item<double>();
+  const double logit_error = real_error(logits, fixture);
+  EXPECT_LT(logit_error, 0.04 * scale) << name;
+  const at::Tensor loss = CausalLM::Impl::loss(logits, fixture.at("labels"));
+  const double loss_error = std::abs(loss.item<double>() - fixture.at("loss").item<double>());
+  EXPECT_LT(loss_error, 0.02) << name;
+  loss.backward();
+  const double grad_error = worst_gradient_error(model, fixture.at("grad_norms"));
+  EXPECT_LT(grad_error, 0.05) << name;
+  std::printf(
+      "[%s bf16] max |logit error| %.3g (max |logit| %.3g), |loss error| %.3g, worst relative "
+      "grad-norm error %.3g\n",
+      name.c_str(), logit_error, scale, loss_error, grad_error);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, Bfloat16Parity, ::testing::Values("phi3_bf16", "olmo2_bf16"));
+
+// Greedy generation against transformers' model.generate with its cache (generate.json of
+// make_generate_fixtures.py). phi3: 7-token prompts and 24 new tokens cross
+// original_max_position_embeddings (16), where transformers drops the cache and recomputes on
+// the long factors.
+TEST_P(FamilyParity, GreedyGenerationEqualsTransformersGenerate) {
+  const auto fixture = read_fixture(fixture_dir(GetParam()));
+  CausalLM model = loaded(config_of(GetParam()), fixture);
+  const auto expected =
+      nlohmann::json::parse(read_text(fixture_dir(GetParam()) + "/generate.json"));
+  mdist::hf::GenerationOptions options;
+  options.max_new_tokens = expected.at("max_new_tokens").get<int64_t>();
+  options.eos_token_ids = mdist::hf::eos_token_ids(model->config);
+  if (model->config.pad_token_id) options.pad_token_id = *model->config.pad_token_id;
+  ASSERT_EQ(expected.at("cases").size(), 4u);
+  for (const auto& c : expected.at("cases")) {
+    const auto prompts = c.at("prompts").get<std::vector<std::vector<int64_t>>>();
+    EXPECT_EQ(mdist::hf::generate(model, prompts, options),
+              c.at("outputs").get<std::vector<std::vector<int64_t>>>())
+        << GetParam() << " " << prompts.size() << " prompt(s)";
+  }
+}
+
+TEST(FamilyParity, Phi3RotaryTablesEqualTransformers) {
+  const auto fixture = read_fixture(fixture_dir("phi3"));
+  mdist::hf::RotaryEmbedding rotary(config_of("phi3"));
+  EXPECT_TRUE(torch::equal(rotary.inv_freq(), fixture.at("rope:inv_freq")));
+  EXPECT_EQ(static_cast<float>(rotary.attention_scaling()),
+            fixture.at("rope:attention_scaling")[0].item<float>());
+  (void)rotary.cos_sin(torch::arange(24, torch::kLong).unsqueeze(0), at::kFloat);
+  EXPECT_TRUE(torch::equal(rotary.inv_freq(), fixture.at("rope:inv_freq_after")));
+}
+
+// Each fixture exercises what it is for: without it, the logits of real tokens move.
+TEST(FamilyFixtures, DependOnLongropePartialRotaryAndWindow) {
+  const auto error_with = [](const std::string& name, auto&& change) {
+    const auto fixture = read_fixture(fixture_dir(name));
+    LlamaConfig config = config_of(name);
+    change(config);
+    CausalLM model = loaded(config, fixture);
+    const at::NoGradGuard no_grad;
+    return real_error(model->forward(fixture.at("input_ids"), fixture.at("attention_mask")),
+                      fixture);
+  };
+  EXPECT_GT(error_with("phi3", [](LlamaConfig& c) { c.rope_scaling.reset(); }), 1e-2);
+  // The top-level pretraining length (16), not max_position_embeddings: the long factors.
+  EXPECT_GT(error_with("phi3",
+                       [](LlamaConfig& c) {
+                         c.rope_scaling->original_max_position_embeddings =
+                             c.max_position_embeddings;
+                       }),
+            1e-2);
+  EXPECT_GT(error_with("phi3",
+                       [](LlamaConfig& c) {
+                         c.partial_rotary_factor = 1.0;
+                         c.rope_scaling.reset();
+                       }),
+            1e-2);
+  // phi3_bf16 ran in bf16: in fp32 the logits are within bf16 noise of it (0.16); without the
+  // window far from it.
+  const double windowed = error_with("phi3_bf16", [](LlamaConfig&) {});
+  const double unwindowed =
+      error_with("phi3_bf16", [](LlamaConfig& c) { c.sliding_window.reset(); });
+  std::printf("[phi3_bf16] in fp32: max |logit error| %.3g with the window, %.3g without\n",
+              windowed, unwindowed);
+  EXPECT_GT(unwindowed, 4 * windowed);
+}
+
+// --- LlamaConfig for Phi-3 and OLMo 2 -------------------------------------------------------
+
+std::string config_json(const std::string& architecture, const std::string& extra = "") {
+  return R"({"architectures": [")" + architecture +
+         R"("], "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 40000)" +
+         extra + "}";
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const mdist::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return "";
+}
+
+TEST(FamilyConfig, DefaultsAreTheConfigClasses) {
+  const LlamaConfig phi3 = LlamaConfig::from_json(config_json("Phi3ForCausalLM"));
+  EXPECT_TRUE(phi3.fused_projections);
+  EXPECT_FALSE(phi3.post_norms || phi3.qk_norm || phi3.qkv_bias || phi3.o_bias);
+  EXPECT_EQ(phi3.max_position_embeddings, 4096);
+  EXPECT_EQ(phi3.rms_norm_eps, 1e-5);
+  EXPECT_EQ(phi3.pad_token_id, 32000);
+  EXPECT_FALSE(phi3.sliding_window.has_value());
+  const LlamaConfig olmo2 = LlamaConfig::from_json(config_json("Olmo2ForCausalLM"));
+  EXPECT_TRUE(olmo2.post_norms && olmo2.qk_norm && olmo2.qk_norm_full_width &&
+              olmo2.fp32_norm_weight_and_rotary);
+  EXPECT_FALSE(olmo2.fused_projections || olmo2.qkv_bias);
+  EXPECT_EQ(olmo2.max_position_embeddings, 2048);
+  EXPECT_EQ(olmo2.pad_token_id, 1);
+  EXPECT_TRUE(LlamaConfig::from_json(config_json("Olmo2ForCausalLM", R"(, "attention_bias": true)"))
+                  .o_bias);
+  // model_type alone names the architecture, as AutoModelForCausalLM.
+  EXPECT_EQ(LlamaConfig::from_json(R"({"model_type": "phi3", "hidden_size": 32,
+      "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "vocab_size": 40000})")
+                .architecture,
+            "Phi3ForCausalLM");
+}
+
+TEST(FamilyConfig, Phi3LongropeTakesTheTopLevelLengthAndItsOldNames) {
+  const std::string factors = R"("short_factor": [1, 1, 1, 1], "long_factor": [2, 2, 2, 2])";
+  for (const char* type : {"longrope", "su", "yarn"}) {
+    const LlamaConfig c = LlamaConfig::from_json(
+        config_json("Phi3ForCausalLM", R"(, "original_max_position_embeddings": 16,
+        "rope_scaling": {"type": ")" + std::string(type) +
+                                           R"(", )" + factors + "}"));
+    ASSERT_TRUE(c.rope_scaling) << type;
+    EXPECT_EQ(c.rope_scaling->rope_type, "longrope") << type;
+    EXPECT_EQ(c.rope_scaling->original_max_position_embeddings, 16) << type;
+    // Written back where transformers reads it first.
+    const auto j = nlohmann::json::parse(c.to_json());
+    EXPECT_EQ(j.at("original_max_position_embeddings"), 16);
+    EXPECT_EQ(LlamaConfig::from_json(c.to_json()).rope_scaling->long_factor,
+              c.rope_scaling->long_factor);
+  }
+  // Absent at the top level: Phi3Config's 4096, not the rope object's.
+  EXPECT_EQ(LlamaConfig::from_json(config_json("Phi3ForCausalLM",
+                                               R"(, "rope_parameters": {"rope_type": "longrope",
+                "original_max_position_embeddings": 16, "rope_theta": 10000.0, )" +
+                                                   factors + "}"))
+                .rope_scaling->original_max_position_embeddings,
+            4096);
+  // A partial rotary factor: as many factors as rotated frequencies.
+  EXPECT_NO_THROW(LlamaConfig::from_json(
+      config_json("Phi3ForCausalLM",
+                  R"(, "partial_rotary_factor": 0.5, "rope_scaling": {"type": "longrope",
+          "short_factor": [1, 1], "long_factor": [2, 2]})")));
+  EXPECT_THAT(error_of([&] {
+                LlamaConfig::from_json(config_json(
+                    "Phi3ForCausalLM", R"(, "partial_rotary_factor": 0.5, "rope_scaling": {)" +
+                                           std::string(R"("type": "longrope", )") + factors + "}"));
+              }),
+              HasSubstr("'short_factor' has 4 entries, but the rotary dimension 4 needs 2"));
+}
+
+TEST(FamilyConfig, RefusalsNameWhatIsUnsupported) {
+  EXPECT_THAT(error_of([] {
+                LlamaConfig::from_json(config_json(
+                    "Phi3ForCausalLM", R"(, "rope_scaling": {"type": "linear", "factor": 2})"));
+              }),
+              HasSubstr("type 'linear' is not supported for Phi3ForCausalLM"));
+  EXPECT_THAT(error_of([] {
+                LlamaConfig::from_json(
+                    config_json("Olmo2ForCausalLM", R"(, "partial_rotary_factor": 0.5)"));
+              }),
+              HasSubstr("not supported for Olmo2ForCausalLM"));
+  EXPECT_THAT(error_of([] {
+                LlamaConfig::from_json(
+                    R"({"architectures": ["Phi3ForCausalLM"], "hidden_size": 32,
+                        "intermediate_size": 48, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "vocab_size": 40})");
+              }),
+              HasSubstr("pad_token_id defaults to 32000 for Phi3ForCausalLM"));
+  // Tensor parallelism: refused by name, before anything is split.
+  EXPECT_THAT(error_of([] {
+                mdist::hf::check_tensor_parallel_split(
+                    LlamaConfig::from_json(config_json("Phi3ForCausalLM")), 2);
+              }),
+              HasSubstr("Phi3ForCausalLM's fused self_attn.qkv_proj and mlp.gate_up_proj"));
+  EXPECT_THAT(error_of([] {
+                mdist::hf::check_tensor_parallel_split(
+                    LlamaConfig::from_json(config_json("Olmo2ForCausalLM")), 2);
+              }),
+              HasSubstr("Olmo2ForCausalLM's self_attn.q_norm and k_norm span all heads"));
+  EXPECT_NO_THROW(mdist::hf::check_tensor_parallel_split(
+      LlamaConfig::from_json(config_json("Olmo2ForCausalLM")), 1));
+}
+
+TEST(FamilyConfig, ToJsonRoundTrips) {
+  for (const char* name : {"phi3", "phi3_bf16", "olmo2"}) {
+    const LlamaConfig c = config_of(name);
+    const LlamaConfig back = LlamaConfig::from_json(c.to_json());
+    EXPECT_EQ(back.to_json(), c.to_json()) << name;
+    EXPECT_EQ(back.sliding_window, c.sliding_window) << name;
+    EXPECT_EQ(back.partial_rotary_factor, c.partial_rotary_factor) << name;
+    EXPECT_EQ(back.qkv_bias, c.qkv_bias) << name;
+  }
+}
+
+}  // namespace
