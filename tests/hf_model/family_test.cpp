@@ -24,6 +24,7 @@
 #include "mdist/hf/rotary.h"
 #include "mdist/hf/tensor_parallel.h"
 #include "tests/hf_model/fixture_reader.h"
+#include "tests/hf_model/parity.h"
 
 namespace {
 
@@ -32,28 +33,14 @@ using mdist::hf::ConfigError;
 using mdist::hf::LlamaConfig;
 using mdist::test::fixture_dir;
 using mdist::test::is_weight;
+using mdist::test::loaded;
 using mdist::test::read_fixture;
 using mdist::test::read_text;
-using mdist::test::weights_of;
+using mdist::test::real_error;
 using ::testing::HasSubstr;
 
 LlamaConfig config_of(const std::string& name) {
   return LlamaConfig::from_file(fixture_dir(name) + "/config.json");
-}
-
-CausalLM loaded(const LlamaConfig& config, const std::map<std::string, at::Tensor>& fixture,
-                at::ScalarType dtype = at::kFloat) {
-  CausalLM model(config);
-  model->to(dtype);
-  mdist::hf::load_state_dict(model, weights_of(fixture));
-  model->eval();
-  return model;
-}
-
-// The largest |difference| of the logits at real (not padding) tokens.
-double real_error(const at::Tensor& logits, const std::map<std::string, at::Tensor>& fixture) {
-  const at::Tensor real = fixture.at("attention_mask").to(at::kBool);
-  return (logits.to(at::kFloat) - fixture.at("logits")).abs().index({real}).max().item<double>();
 }
 
 // Each parameter's gradient norm against transformers', relative; parameters in name order.

@@ -21,6 +21,7 @@
 #include "mdist/hf/config.h"
 #include "mdist/hf/rotary.h"
 #include "tests/hf_model/fixture_reader.h"
+#include "tests/hf_model/parity.h"
 
 namespace {
 
@@ -29,9 +30,10 @@ using mdist::hf::ConfigError;
 using mdist::hf::LayerType;
 using mdist::hf::LlamaConfig;
 using mdist::test::fixture_dir;
+using mdist::test::loaded;
 using mdist::test::read_fixture;
 using mdist::test::read_text;
-using mdist::test::weights_of;
+using mdist::test::real_error;
 using ::testing::HasSubstr;
 
 // The fixture's config. rope_partial's is refused for Llama (its attention rotates the whole
@@ -45,18 +47,6 @@ LlamaConfig config_of(const std::string& name) {
   LlamaConfig c = LlamaConfig::from_json(j.dump());
   c.partial_rotary_factor = partial;
   return c;
-}
-
-CausalLM loaded(const LlamaConfig& config, const std::map<std::string, at::Tensor>& fixture) {
-  CausalLM model(config);
-  mdist::hf::load_state_dict(model, weights_of(fixture));
-  model->eval();
-  return model;
-}
-
-double real_error(const at::Tensor& logits, const std::map<std::string, at::Tensor>& fixture) {
-  const at::Tensor real = fixture.at("attention_mask").to(at::kBool);
-  return (logits - fixture.at("logits")).abs().index({real}).max().item<double>();
 }
 
 class RopeParity : public ::testing::TestWithParam<std::string> {};
