@@ -12,8 +12,9 @@
 // agreed on before anything is created.
 //
 // int8_sq (INT8_SMOOTHQUANT_CFG) calibrates with SmoothQuant (alpha 1.0) instead of max.
+// --kv-cache fp8 adds modelopt's FP8_KV_CFG (quant::add_kv_cache_rules) to any format.
 // Not implemented yet (refused with one line, exit 2): the formats int4_awq,
-// w4a8_awq and nvfp4, --kv-cache, expert parallelism (--ep), --param-dtype.
+// w4a8_awq and nvfp4, expert parallelism (--ep), --param-dtype.
 //
 // Progress: on a terminal rank 0 redraws one line per phase in place (held-out loss before,
 // calibrating, SmoothQuant's smoothing pass, held-out loss after, exporting) with a count of
