@@ -12,8 +12,9 @@
 // agreed on before anything is created.
 //
 // int8_sq (INT8_SMOOTHQUANT_CFG) calibrates with SmoothQuant (alpha 1.0) instead of max.
+// --kv-cache fp8 adds modelopt's FP8_KV_CFG (quant::add_kv_cache_rules) to any format.
 // Not implemented yet (refused with one line, exit 2): the formats int4_awq,
-// w4a8_awq and nvfp4, --kv-cache, expert parallelism (--ep), --param-dtype.
+// w4a8_awq and nvfp4, expert parallelism (--ep), --param-dtype.
 //
 // Progress: on a terminal rank 0 redraws one line per phase in place (held-out loss before,
 // calibrating, SmoothQuant's smoothing pass, held-out loss after, exporting) with a count of
@@ -86,10 +87,9 @@ void check_format(const QuantizeOptions& o) {
     throw InputError("--sq-alpha " + flag_value(*o.sq_alpha) +
                      " is outside [0, 1] (modelopt's SmoothQuantCalibConfig.alpha)");
   }
-  if (!o.kv_cache.empty()) {
-    throw InputError("--kv-cache " + o.kv_cache +
-                     " is not implemented yet (no KV-cache quantizers in mdist::quant); leave it "
-                     "out to quantize the Linear layers only");
+  if (!o.kv_cache.empty() && o.kv_cache != "fp8") {
+    throw InputError("unknown --kv-cache '" + o.kv_cache +
+                     "'; the KV-cache format is fp8 (modelopt's FP8_KV_CFG)");
   }
 }
 
@@ -153,6 +153,13 @@ QuantizeInputs check_inputs(const QuantizeOptions& o) {
     in.choice = model_for_inference(o.io.model_dir, o.default_run);
     check_not_quantized(in.choice, "quantize");
     check_tensor_parallel(o.io.tensor_parallel, in.choice.config);
+    if (!o.kv_cache.empty() && in.choice.config.fused_projections) {
+      // mdist::quant refuses it too (kv_cache.h).
+      throw InputError("--kv-cache " + o.kv_cache +
+                       " is not supported for this model: its attention has one fused qkv_proj "
+                       "(Phi-3), and the unified checkpoint names k_scale / v_scale after k_proj "
+                       "/ v_proj");
+    }
     if (o.format == "int8_sq" && in.choice.config.moe) {
       // mdist::quant refuses it too (see ModelQuantizers): modelopt smooths only the attention
       // layers of a mixture of experts, and mdist does not reproduce that yet.
@@ -291,7 +298,10 @@ json modules_json(const std::map<std::string, at::Tensor>& amax) {
     // key: <module>.<input|weight>_quantizer._amax
     const std::string quantizer = key.substr(0, key.size() - std::string("._amax").size());
     const std::string module = quantizer.substr(0, quantizer.rfind('.'));
-    const std::string role = quantizer.ends_with(".input_quantizer") ? "input_amax" : "weight_amax";
+    const std::string role = quantizer.ends_with(".input_quantizer")   ? "input_amax"
+                             : quantizer.ends_with(".k_bmm_quantizer") ? "k_amax"
+                             : quantizer.ends_with(".v_bmm_quantizer") ? "v_amax"
+                                                                       : "weight_amax";
     modules[module][role] = amax_json(value);
   }
   return modules;
@@ -363,6 +373,7 @@ int run_quantize(const QuantizeOptions& o) {
                                   : calib_windows.count();
   quant::QuantConfig config = quant::QuantConfig::preset(o.format);
   if (o.sq_alpha) config.smoothquant_alpha = *o.sq_alpha;
+  if (!o.kv_cache.empty()) quant::add_kv_cache_rules(config, o.kv_cache);
   say("mdist quantize: model " + in.choice.description);
   say("mdist quantize: " + tokenizer_line(in.choice));
   say("mdist quantize: format " + o.format + " (quant_algo " + implemented_formats().at(o.format) +
@@ -370,9 +381,9 @@ int run_quantize(const QuantizeOptions& o) {
       (config.algorithm == "smoothquant"
            ? "SmoothQuant (alpha " + flag_value(config.smoothquant_alpha) + ")"
            : std::string("max")) +
-      " calibration on " + std::to_string(calib_total) + " sequences of " +
-      std::to_string(o.io.seq_len) + " tokens from " + in.calib.description + ", " +
-      describe_layout(layout));
+      (o.kv_cache.empty() ? std::string() : ", KV cache " + o.kv_cache) + " calibration on " +
+      std::to_string(calib_total) + " sequences of " + std::to_string(o.io.seq_len) +
+      " tokens from " + in.calib.description + ", " + describe_layout(layout));
 
   PhaseProgress progress(stdout, "mdist quantize", rank() == 0 && terminal_stdout());
   const int64_t data_parallel = mdist::size() / layout.tensor_parallel();
@@ -449,6 +460,7 @@ int run_quantize(const QuantizeOptions& o) {
         {"format", "mdist.quantize.v1"},
         {"quant_format", o.format},
         {"quant_algo", implemented_formats().at(o.format)},
+        {"kv_cache_quant_algo", o.kv_cache.empty() ? json(nullptr) : json("FP8")},
         {"calibration", config.algorithm},
         {"smoothquant_alpha",
          config.algorithm == "smoothquant" ? json(config.smoothquant_alpha) : json(nullptr)},

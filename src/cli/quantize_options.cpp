@@ -19,7 +19,9 @@ void declare_quantize_flags(CLI::App& app, QuantizeOptions& o) {
                  "--format int8_sq: SmoothQuant's migration strength alpha in [0, 1] (modelopt's "
                  "SmoothQuantCalibConfig.alpha; default 1.0, as INT8_SMOOTHQUANT_CFG)")
       ->type_name("A");
-  app.add_option("--kv-cache", o.kv_cache, "KV-cache quantization (fp8): not implemented yet")
+  app.add_option("--kv-cache", o.kv_cache,
+                 "KV-cache quantization: fp8 (modelopt's FP8_KV_CFG: keys and values E4M3 per "
+                 "tensor, max-calibrated; exported as k_scale / v_scale, kv_cache_quant_algo FP8)")
       ->type_name("FORMAT");
   app.add_option("--calib-sequences", o.calib_sequences,
                  "Calibration sequences of --seq-len tokens from --data, split across the "

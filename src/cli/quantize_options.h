@@ -14,7 +14,7 @@ struct QuantizeOptions {
   // --model, --data (calibration), --seq-len, --tp, ... as calibrate takes them.
   ModelDataOptions io;
   std::string format;                              // --format: fp8 | int8 (required)
-  std::string kv_cache;                            // --kv-cache: refused (not implemented yet)
+  std::string kv_cache;                            // --kv-cache: fp8 (FP8_KV_CFG) or empty
   std::optional<double> sq_alpha;                  // --sq-alpha: int8_sq's alpha (default 1.0)
   std::int64_t calib_sequences = 64;               // 0: all windows of the calibration data
   std::optional<std::filesystem::path> eval_data;  // held-out data (default: as `mdist eval`)

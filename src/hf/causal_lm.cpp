@@ -143,6 +143,10 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
   // fp32 tables (OLMo 2) rotate in fp32; the result goes back to the projections' dtype.
   q = apply_rotary(q, cos, sin).to(x.scalar_type());
   k = apply_rotary(k, cos, sin).to(x.scalar_type());
+  // Fake quant with a fixed per-tensor scale is elementwise, so quantizing this step's keys
+  // before they enter the cache equals modelopt's quantizing the whole cache every step.
+  k = mdist::nn::call(k_bmm, k);
+  v = mdist::nn::call(v_bmm, v);
   const int64_t repeats = heads / kv_heads;
   at::Tensor out;
   if (cache == nullptr) {

@@ -76,7 +76,7 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
                 (q->kv_cache_quant_algo ? " and kv_cache_quant_algo " + *q->kv_cache_quant_algo
                                         : std::string()) +
                 " (" + q->source + "); reading back is implemented for " + kReadableQuantAlgos +
-                " without a KV-cache quantization only");
+                " with no KV-cache quantization or an FP8 one only");
   }
   // The model's own names and full shapes, from a model on the meta device (no memory).
   const CausalLM meta(config, c10::kMeta);

@@ -30,6 +30,16 @@ CheckpointQuantization from_entry(const nlohmann::json& entry, const std::string
   if (const auto kv = entry.find("kv_cache_quant_algo"); kv != entry.end() && !kv->is_null()) {
     q.kv_cache_quant_algo = kv->is_string() ? kv->get<std::string>() : kv->dump();
   }
+  // config.json's quantization_config says it as `kv_cache_scheme` (modelopt's
+  // convert_hf_quant_config_format: FP8 is {"dynamic": false, "num_bits": 8, "type": "float"},
+  // any other algorithm its name).
+  if (const auto kv = entry.find("kv_cache_scheme");
+      !q.kv_cache_quant_algo && kv != entry.end() && !kv->is_null()) {
+    const nlohmann::json fp8 = {{"dynamic", false}, {"num_bits", 8}, {"type", "float"}};
+    q.kv_cache_quant_algo = *kv == fp8        ? "FP8"
+                            : kv->is_string() ? kv->get<std::string>()
+                                              : kv->dump();
+  }
   return q;
 }
 
@@ -53,7 +63,8 @@ std::optional<CheckpointQuantization> checkpoint_quantization(const std::filesys
 }
 
 bool is_readable(const CheckpointQuantization& q) {
-  return (q.quant_algo == "FP8" || q.quant_algo == "W8A8_SQ_PER_CHANNEL") && !q.kv_cache_quant_algo;
+  return (q.quant_algo == "FP8" || q.quant_algo == "W8A8_SQ_PER_CHANNEL") &&
+         (!q.kv_cache_quant_algo || *q.kv_cache_quant_algo == "FP8");
 }
 
 namespace detail {
@@ -66,6 +77,11 @@ bool is_quantized_weight(const SafetensorsCheckpoint& checkpoint, const std::str
 }
 
 bool is_quantization_scale(const SafetensorsCheckpoint& checkpoint, const std::string& name) {
+  // The KV-cache scales (modelopt's k_bmm / v_bmm quantizers) are named after k_proj / v_proj
+  // whatever those Linears' own format.
+  if (name.ends_with(".k_proj.k_scale") || name.ends_with(".v_proj.v_scale")) {
+    return checkpoint.contains(name);
+  }
   if (!name.ends_with(".weight_scale") && !name.ends_with(".input_scale") &&
       !name.ends_with(".pre_quant_scale")) {
     return false;

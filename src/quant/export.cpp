@@ -234,7 +234,8 @@ at::Tensor whole_weight_amax(const QuantizedLinear& q, const hf::Parallelism& pa
 json producer() { return {{"name", "modelopt"}, {"version", "0.47.0 (mdist)"}}; }
 
 // config.json's quantization_config (modelopt's convert_hf_quant_config_format).
-json quantization_config(LayerFormat format, const std::vector<std::string>& exclude) {
+json quantization_config(LayerFormat format, const std::vector<std::string>& exclude,
+                         const std::optional<std::string>& kv_cache) {
   json config = json::object();
   if (format == LayerFormat::fp8) {
     const json eight_bit_float = {{"dynamic", false}, {"num_bits", 8}, {"type", "float"}};
@@ -245,6 +246,8 @@ json quantization_config(LayerFormat format, const std::vector<std::string>& exc
   }
   config["ignore"] = exclude;
   config["quant_algo"] = quant_algo(format);
+  if (kv_cache)
+    config["kv_cache_scheme"] = {{"dynamic", false}, {"num_bits", 8}, {"type", "float"}};
   config["producer"] = producer();
   config["quant_method"] = "modelopt";
   return config;
@@ -252,17 +255,17 @@ json quantization_config(LayerFormat format, const std::vector<std::string>& exc
 
 void write_files(hf::CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
                  LayerFormat format, const std::vector<std::string>& exclude,
-                 const std::filesystem::path& dir) {
+                 const std::optional<std::string>& kv_cache, const std::filesystem::path& dir) {
   std::filesystem::create_directories(dir);
   hf::save_checkpoint(dir, tensors, std::uint64_t{5} << 30);
   const json hf_quant = {{"producer", producer()},
                          {"quantization",
                           {{"quant_algo", quant_algo(format)},
-                           {"kv_cache_quant_algo", nullptr},
+                           {"kv_cache_quant_algo", kv_cache ? json(*kv_cache) : json(nullptr)},
                            {"exclude_modules", exclude}}}};
   io::write_file_atomically(dir / "hf_quant_config.json", hf_quant.dump(4));
   json config = json::parse(model->config.to_json());
-  config["quantization_config"] = quantization_config(format, exclude);
+  config["quantization_config"] = quantization_config(format, exclude, kv_cache);
   io::write_file_atomically(dir / "config.json", config.dump(2) + "\n");
 }
 
@@ -308,6 +311,7 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
   }
   if (!format) throw Error("mdist::quant: export_hf_checkpoint: no layer is quantized");
   if (!model->lm_head) unquantized.push_back("lm_head");
+  const std::optional<std::string> kv_cache = detail::kv_cache_quant_algo(quantizers.attentions());
 
   const at::NoGradGuard no_grad;
   std::map<std::string, at::Tensor> tensors = whole_parameters(model, parallelism);
@@ -344,7 +348,11 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
       export_linear(*q, *format, weight_amax.at(q->name), input_amax.at(q->name), tensors);
     }
   }
-  write_files(model, tensors, *format, summarize_exclude_modules(unquantized, quantized), dir);
+  for (auto& [name, scale] : detail::kv_cache_scales(quantizers.attentions())) {
+    tensors[name] = std::move(scale);
+  }
+  write_files(model, tensors, *format, summarize_exclude_modules(unquantized, quantized), kv_cache,
+              dir);
 }
 
 std::map<std::string, at::Tensor> whole_amax_state_dict(const ModelQuantizers& quantizers,

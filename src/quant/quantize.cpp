@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <string_view>
 #include <utility>
 
 #include "mdist/error.h"
@@ -148,6 +149,8 @@ ModelQuantizers::ModelQuantizers(hf::CausalLM& model, const QuantConfig& config)
     install_hooks(*quantized);
     linears_.push_back(std::move(quantized));
   }
+  attentions_ = detail::make_quantized_attentions(model_, config_);
+  for (const auto& attention : attentions_) install_hooks(*attention);
 }
 
 ModelQuantizers::~ModelQuantizers() {
@@ -192,9 +195,26 @@ void ModelQuantizers::install_hooks(QuantizedLinear& q) {
       nn::register_forward_error_hook(*q.linear, [restore](torch::nn::Module&) { restore(); }));
 }
 
+// modelopt's `_QuantAttention._quantized_attention`: k_bmm_quantizer(keys),
+// v_bmm_quantizer(values), through the attention's hook points (hf::AttentionImpl).
+void ModelQuantizers::install_hooks(QuantizedAttention& a) {
+  const auto hook = [](TensorQuantizer& quantizer) {
+    return [&quantizer](torch::nn::Module&, nn::TensorRefs& inputs) {
+      if (!inputs.empty() && quantizer->is_enabled()) *inputs.front() = quantizer(*inputs.front());
+    };
+  };
+  hooks_.push_back(nn::register_forward_pre_hook(*a.attention->k_bmm, hook(a.k_bmm_quantizer)));
+  hooks_.push_back(nn::register_forward_pre_hook(*a.attention->v_bmm, hook(a.v_bmm_quantizer)));
+}
+
 void ModelQuantizers::set_mode(Mode mode) {
   for (const auto& q : linears_) {
     for (auto* quantizer : {&q->input_quantizer, &q->weight_quantizer}) {
+      if ((*quantizer)->is_enabled()) (*quantizer)->set_mode(mode);
+    }
+  }
+  for (const auto& a : attentions_) {
+    for (auto* quantizer : {&a->k_bmm_quantizer, &a->v_bmm_quantizer}) {
       if ((*quantizer)->is_enabled()) (*quantizer)->set_mode(mode);
     }
   }
@@ -205,6 +225,10 @@ std::map<std::string, TensorQuantizer> ModelQuantizers::quantizers() const {
   for (const auto& q : linears_) {
     all.emplace(q->name + ".input_quantizer", q->input_quantizer);
     all.emplace(q->name + ".weight_quantizer", q->weight_quantizer);
+  }
+  for (const auto& a : attentions_) {
+    all.emplace(a->name + ".k_bmm_quantizer", a->k_bmm_quantizer);
+    all.emplace(a->name + ".v_bmm_quantizer", a->v_bmm_quantizer);
   }
   return all;
 }
@@ -243,6 +267,15 @@ void ModelQuantizers::load_calib_amax(bool weights_from_forward) {
     q->input_quantizer->reset_calibration();
     q->weight_quantizer->reset_calibration();
   }
+  // Keys and values an attention never saw (no forward ran) keep no amax, as an input's.
+  for (const auto& a : attentions_) {
+    for (auto* quantizer : {&a->k_bmm_quantizer, &a->v_bmm_quantizer}) {
+      if ((*quantizer)->is_enabled() && (*quantizer)->calib_amax().defined()) {
+        (*quantizer)->load_calib_amax();
+      }
+      (*quantizer)->reset_calibration();
+    }
+  }
 }
 
 void ModelQuantizers::sync_amax(const QuantizeOptions& options) {
@@ -261,6 +294,19 @@ void ModelQuantizers::sync_amax(const QuantizeOptions& options) {
           q->name + (role == QuantizerRole::input ? ".input_quantizer" : ".weight_quantizer");
       all.push_back({name, quantizer});
       if (syncs_over_tp(split, role, quantizer->format())) over_tp.push_back({name, quantizer});
+    }
+  }
+  // KV-cache quantizers: per tensor, MAX over data parallel and over the tensor-parallel
+  // group, whose ranks hold different heads (modelopt syncs every per-tensor amax over TP).
+  for (const auto& a : attentions_) {
+    for (const auto* role : {"k_bmm_quantizer", "v_bmm_quantizer"}) {
+      const TensorQuantizer& quantizer =
+          std::string_view(role) == "k_bmm_quantizer" ? a->k_bmm_quantizer : a->v_bmm_quantizer;
+      if (!quantizer->is_enabled()) continue;
+      all.push_back({a->name + "." + role, quantizer});
+      if (options.parallelism.tensor_parallel_split()) {
+        over_tp.push_back({a->name + "." + role, quantizer});
+      }
     }
   }
   detail::sync_amax_max(all, options.parallel.data_parallel_group, device);

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <utility>
 
 #include "mdist/error.h"
 #include "mdist/hf/quantized_checkpoint.h"
@@ -18,12 +19,12 @@ std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& mod
   if (!hf::is_readable(*quantization)) {
     throw Error("mdist::quant: checkpoint '" + dir.string() + "' is quantized with quant_algo " +
                 quantization->quant_algo + "; reading back is implemented for " +
-                hf::kReadableQuantAlgos + " without a KV-cache quantization only");
+                hf::kReadableQuantAlgos + " with no KV-cache quantization or an FP8 one only");
   }
   // The preset whose input format the checkpoint's quant_algo names: only the input
   // quantizers are used, and only where the checkpoint has an input_scale.
-  const QuantConfig config =
-      QuantConfig::preset(quantization->quant_algo == "FP8" ? "fp8" : "int8");
+  QuantConfig config = QuantConfig::preset(quantization->quant_algo == "FP8" ? "fp8" : "int8");
+  if (quantization->kv_cache_quant_algo) add_kv_cache_rules(config, "fp8");
   auto quantizers = std::make_unique<ModelQuantizers>(model, config);
   const hf::SafetensorsCheckpoint checkpoint(dir);
   const c10::Device device = model->parameters().front().device();
@@ -56,6 +57,25 @@ std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& mod
       input->set_pre_quant_scale(pre_quant_scale.to(device));
     }
     input->set_mode(TensorQuantizerImpl::Mode::quantize);
+  }
+  // FP8 KV cache: keys and values fake-quantized with amax = k_scale / v_scale x 448 (fp32),
+  // frozen, as the export's amax / 448 describes them.
+  for (const auto& a : quantizers->attentions()) {
+    if (!a->enabled()) continue;
+    for (auto [quantizer, key] : {std::pair{a->k_bmm_quantizer, a->name + ".k_proj.k_scale"},
+                                  std::pair{a->v_bmm_quantizer, a->name + ".v_proj.v_scale"}}) {
+      if (!checkpoint.contains(key)) {
+        throw Error("mdist::quant: checkpoint '" + dir.string() + "' has kv_cache_quant_algo " +
+                    *quantization->kv_cache_quant_algo + " but no " + key);
+      }
+      const at::Tensor scale = checkpoint.tensor(key).to(at::kFloat);
+      if (scale.numel() != 1) {
+        throw Error("mdist::quant: checkpoint '" + dir.string() + "': " + key + " has " +
+                    std::to_string(scale.numel()) + " values; one per tensor is read back");
+      }
+      quantizer->set_amax((scale.reshape({}) * quantizer->format().maxbound()).to(device));
+      quantizer->set_mode(TensorQuantizerImpl::Mode::quantize);
+    }
   }
   return quantizers;
 }

@@ -86,14 +86,35 @@ class QuantizeCommand : public MdistCommand {
     return out;
   }
 
+  double expected_kv(const std::string& arch, const std::string& name) {
+    const hf::SafetensorsFile file(fixture(arch) / "expected_kv.safetensors");
+    return file.tensor(name).item<double>();
+  }
+
+  // A seeded Phi-3 directory (fused qkv_proj), written by mdist's save_pretrained.
+  fs::path phi3_model(const std::string& name) {
+    const auto config_dir = dir_ / (name + "-config");
+    fs::create_directories(config_dir);
+    std::ofstream(config_dir / "config.json")
+        << R"({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 32,
+               "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 256, "pad_token_id": 0,
+               "max_position_embeddings": 64})"
+        << "\n";
+    const auto model = dir_ / name;
+    const auto r = run({MDIST_SAVE_FOR_TRANSFORMERS, config_dir.string(), model.string()});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return model;
+  }
+
   static nlohmann::json report(const fs::path& out) {
     return nlohmann::json::parse(read(out / "quantize.json"));
   }
 };
 
 // Every tensor of `actual`'s model.safetensors byte for byte as `expected`'s, except
-// input_scale tensors, which are within `input_scale_bound` relative (0: also byte for byte).
-// The number of input scales that differ at all.
+// input_scale, k_scale and v_scale tensors, which are within `input_scale_bound` relative (0:
+// also byte for byte). The number of those scales that differ at all.
 int compare_exports(const fs::path& actual, const fs::path& expected, double input_scale_bound) {
   const hf::SafetensorsFile a(actual / "model.safetensors"), e(expected / "model.safetensors");
   EXPECT_EQ(a.names(), e.names());
@@ -108,7 +129,10 @@ int compare_exports(const fs::path& actual, const fs::path& expected, double inp
         x.numel() == 0 || std::memcmp(x.contiguous().data_ptr(), y.contiguous().data_ptr(),
                                       static_cast<std::size_t>(x.nbytes())) == 0;
     if (same) continue;
-    if (name.ends_with(".input_scale") && input_scale_bound > 0) {
+    // Activation-derived scales: the inputs' and the KV cache's.
+    const bool activation =
+        name.ends_with(".input_scale") || name.ends_with(".k_scale") || name.ends_with(".v_scale");
+    if (activation && input_scale_bound > 0) {
       ++differing;
       EXPECT_LE(relative(x.item<double>(), y.item<double>()), input_scale_bound) << name;
     } else {
@@ -367,6 +391,55 @@ TEST_F(QuantizeCommand, SmoothQuantTensorParallelGivesOneRanksExport) {
   }
 }
 
+// --kv-cache fp8 with fp8 and int8 (FP8_KV_CFG merged as hf_ptq merges it, fixtures of
+// make_kv_fixtures.py): on one rank the loss and the export (k_scale / v_scale included) equal
+// modelopt's; data parallel 2 is one rank's byte for byte; tp 2 (each rank its heads, the KV
+// amax MAX over the tensor-parallel group) within the activation-scale bound of 1e-6; `mdist
+// eval` of the export gives the fake-quant loss (the KV scales applied) and the same number as
+// modelopt's own export.
+TEST_F(QuantizeCommand, KvCacheMatchesModeloptAcrossLayouts) {
+  for (const std::string format : {"fp8", "int8"}) {
+    SCOPED_TRACE(format);
+    const std::vector<std::string> kv = {"--kv-cache", "fp8"};
+    const fs::path one = quantize("qwen3", format, 1, kv);
+    const fs::path modelopt = fixture("qwen3") / ("export_" + format + "_kv");
+    const auto json = report(one);
+    EXPECT_EQ(json["kv_cache_quant_algo"], "FP8");
+    EXPECT_TRUE(json["modules"]["model.layers.1.self_attn"].contains("k_amax"));
+    EXPECT_TRUE(json["modules"]["model.layers.1.self_attn"].contains("v_amax"));
+    const double after = json["loss_after"].get<double>();
+    EXPECT_LE(relative(after, expected_kv("qwen3", format + "_kv.loss")), 1e-6);
+    EXPECT_EQ(compare_exports(one, modelopt, 0), 0);
+    expect_same_quant_config(one, modelopt);
+
+    const fs::path dp = quantize("qwen3", format, 2, kv);
+    EXPECT_EQ(compare_exports(dp, one, 0), 0);
+    EXPECT_DOUBLE_EQ(report(dp)["loss_after"].get<double>(), after);
+    const fs::path tp = quantize("qwen3", format, 2, {"--kv-cache", "fp8", "--tp", "2"});
+    const int differing = compare_exports(tp, one, 1e-6);
+    std::cout << "[ measured ] qwen3 " << format << " + kv fp8 tp 2: " << differing
+              << " input / k / v scales differ from one rank's" << std::endl;
+    EXPECT_LE(relative(report(tp)["loss_after"].get<double>(), after), 1e-5);
+
+    const fs::path eval_data = tokens("qwen3", "eval_ids");
+    const auto mine = mdist(
+        1, {"eval", "--model", one.string(), "--data", eval_data.string(), "--seq-len", "16"});
+    ASSERT_EQ(mine.exit_code, 0) << describe(mine);
+    EXPECT_THAT(mine.err, Not(HasSubstr("ignoring")));
+    const auto theirs = mdist(
+        1, {"eval", "--model", modelopt.string(), "--data", eval_data.string(), "--seq-len", "16"});
+    ASSERT_EQ(theirs.exit_code, 0) << describe(theirs);
+    const double read_back = eval_loss(mine.out);
+    std::cout << "[ measured ] qwen3 " << format << " + kv fp8: eval of the export " << read_back
+              << ", fake-quant loss " << after << ", gap " << relative(read_back, after)
+              << " relative" << std::endl;
+    EXPECT_DOUBLE_EQ(read_back, eval_loss(theirs.out));
+    EXPECT_LE(relative(read_back, after), 1e-6);
+    // Without the KV scales the read-back loss would be the format's alone.
+    EXPECT_GT(relative(read_back, expected("qwen3", format + ".loss")), 1e-6);
+  }
+}
+
 // Bad input: one line from rank 0, exit code 2, nothing written to --out (an existing --out
 // keeps its content).
 TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
@@ -386,6 +459,7 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
   };
   const fs::path fp8_export = fixture("llama") / "export_fp8";
   const fs::path moe = qwen3_moe_model("moe", 4);
+  const fs::path phi3 = phi3_model("phi3");
   struct Case {
     std::vector<std::string> args;
     std::string message;
@@ -404,8 +478,13 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
       {std::vector<std::string>{"quantize", "--model", moe.string(), "--data", calib, "--seq-len",
                                 "16", "--format", "int8_sq", "--out", out.string()},
        "--format int8_sq is not supported for a mixture of experts yet"},
-      {base({"--format", "fp8", "--kv-cache", "fp8", "--out", out.string()}),
-       "--kv-cache fp8 is not implemented yet"},
+      {base({"--format", "fp8", "--kv-cache", "int8", "--out", out.string()}),
+       "unknown --kv-cache 'int8'; the KV-cache format is fp8 (modelopt's FP8_KV_CFG)"},
+      {std::vector<std::string>{"quantize", "--model", phi3.string(), "--data", calib, "--seq-len",
+                                "16", "--format", "fp8", "--kv-cache", "fp8", "--out",
+                                out.string()},
+       "--kv-cache fp8 is not supported for this model: its attention has one fused qkv_proj "
+       "(Phi-3)"},
       {base({"--format", "fp8", "--ep", "2", "--out", out.string()}),
        "quantize does not support expert parallelism yet"},
       {base({"--format", "fp8"}), "--out DIR is required"},
@@ -452,16 +531,17 @@ TEST_F(QuantizeCommand, EvalRefusesQuantAlgosItCannotReadBack) {
     EXPECT_THAT(r.err, HasSubstr("quantized with quant_algo " + algo));
     EXPECT_EQ(error_lines(r.err), 1) << r.err;
   }
-  // A KV-cache quantization is not applied on reading either.
+  // A KV-cache quantization other than FP8 is refused likewise.
   const fs::path kv = dir_ / "kv";
-  fs::copy(fixture("llama") / "export_fp8", kv);
+  fs::copy(fixture("llama") / "export_fp8_kv", kv);
   auto config = json_file(kv / "config.json");
-  config["quantization_config"]["kv_cache_quant_algo"] = "FP8";
+  config["quantization_config"]["kv_cache_scheme"] = "NVFP4";
   std::ofstream(kv / "config.json") << config.dump(2);
   const auto r = mdist(1, {"eval", "--model", kv.string(), "--data",
                            tokens("llama", "eval_ids").string(), "--seq-len", "16"});
   EXPECT_EQ(r.exit_code, 2) << describe(r);
-  EXPECT_THAT(r.err, HasSubstr("kv_cache_quant_algo FP8"));
+  EXPECT_THAT(r.err, HasSubstr("kv_cache_quant_algo NVFP4"));
+  EXPECT_EQ(error_lines(r.err), 1) << r.err;
 }
 
 // train and calibrate work on a model's own weights, which a quantized checkpoint no longer

@@ -25,8 +25,10 @@ inline std::filesystem::path fixture_dir(const std::string& arch) {
 
 class PtqFixture {
  public:
-  explicit PtqFixture(const std::string& arch)
-      : file_(fixture_dir(arch) / "expected.safetensors") {}
+  // `file`: make_ptq_fixtures.py's expected.safetensors, or make_kv_fixtures.py's
+  // expected_kv.safetensors (the same keys; its batches are expected.safetensors').
+  explicit PtqFixture(const std::string& arch, const std::string& file = "expected.safetensors")
+      : file_(fixture_dir(arch) / file) {}
 
   at::Tensor tensor(const std::string& name) const { return file_.tensor(name).clone(); }
   bool contains(const std::string& name) const { return file_.contains(name); }

@@ -90,6 +90,11 @@ struct AttentionImpl : torch::nn::Module {
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3 (per head), OLMo 2 (whole projection)
   bool qk_norm_full_width = false;           // LlamaConfig::qk_norm_full_width
   int64_t heads, kv_heads, head_dim;
+  // Hook points (identities) for the keys and values [B, H_kv, T, D] as the attention reads
+  // them: after RoPE and the k norm, before the grouped-query repeat and the KV cache, where
+  // modelopt's k_bmm_quantizer / v_bmm_quantizer sit (mdist::quant's KV-cache quantizers hook
+  // them). Not registered: they hold no state and stay out of named_modules().
+  torch::nn::Identity k_bmm, v_bmm;
 };
 TORCH_MODULE(Attention);
 

@@ -11,7 +11,9 @@
 // unknown keys. Applying the input scales (fake-quantizing activations) is the quantization
 // layer's part: mdist::quant::apply_checkpoint_quantization (mdist/quant/readback.h).
 //
-// Other quant_algo values (NVFP4, W4A16_AWQ, ...) and a KV-cache quantization are refused
+// A KV-cache quantization of kv_cache_quant_algo FP8 is read too: its `k_proj.k_scale` /
+// `v_proj.v_scale` are skipped here and applied by apply_checkpoint_quantization. Other
+// quant_algo values (NVFP4, W4A16_AWQ, ...) and other KV-cache algorithms are refused
 // (check_checkpoint throws naming them): their weights are packed or their scales apply where
 // this loader does not apply them, so loading them as plain weights would be wrong silently.
 #include <ATen/core/Tensor.h>
@@ -30,13 +32,13 @@ class SafetensorsCheckpoint;
 // `quantization`. nullopt for an ordinary checkpoint.
 struct CheckpointQuantization {
   std::string quant_algo;                          // "FP8", "W8A8_SQ_PER_CHANNEL", ...
-  std::optional<std::string> kv_cache_quant_algo;  // null in the formats read here
+  std::optional<std::string> kv_cache_quant_algo;  // null, or "FP8" (read); others refused
   std::string source;                              // "config.json" or "hf_quant_config.json"
 };
 // Throws Error for a malformed quantization entry (not an object, no quant_algo string).
 std::optional<CheckpointQuantization> checkpoint_quantization(const std::filesystem::path& dir);
 
-// Whether this loader reads `q` (FP8 or W8A8_SQ_PER_CHANNEL, no KV-cache algorithm); the
+// Whether this loader reads `q` (FP8 or W8A8_SQ_PER_CHANNEL, no KV-cache algorithm or FP8); the
 // quant_algo values it reads, for messages.
 bool is_readable(const CheckpointQuantization& q);
 inline constexpr const char* kReadableQuantAlgos = "FP8, W8A8_SQ_PER_CHANNEL";
@@ -46,7 +48,7 @@ namespace detail {
 // `name` (".weight") is stored as float8_e4m3fn or int8 with a `<module>.weight_scale` beside it.
 bool is_quantized_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name);
 // `name` is the weight_scale, input_scale or (SmoothQuant) pre_quant_scale of a module whose
-// weight is quantized.
+// weight is quantized, or a KV-cache scale (`<attention>.k_proj.k_scale` / `.v_proj.v_scale`).
 bool is_quantization_scale(const SafetensorsCheckpoint& checkpoint, const std::string& name);
 // Rows [first_row, first_row + rows) of a quantized weight (all rows when rows < 0),
 // dequantized to fp32. Throws Error for a weight_scale that is neither one value nor one per row.

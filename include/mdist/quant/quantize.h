@@ -54,7 +54,12 @@
 //
 // Not covered (Errors, or documented in docs/quantization.md): a tied head whose quantizers the
 // configuration enables (the tied head is no Linear module in mdist), calibration algorithms
-// other than max and smoothquant, KV-cache quantizers, expert parallelism.
+// other than max and smoothquant, expert parallelism.
+//
+// KV cache (kv_cache.h): where the config enables them (add_kv_cache_rules), each attention's
+// k_bmm_quantizer / v_bmm_quantizer are calibrated with the same max in the same loop, synced
+// over the data-parallel group and over the tensor-parallel group (the ranks hold different
+// heads), and fake-quantize the keys and values in every forward (generate's cache included).
 #include <functional>
 #include <map>
 #include <memory>
@@ -65,6 +70,7 @@
 #include "mdist/hf/causal_lm.h"
 #include "mdist/hf/parallelize.h"
 #include "mdist/nn/hooks.h"
+#include "mdist/quant/kv_cache.h"
 #include "mdist/quant/quant_config.h"
 #include "mdist/quant/tensor_quantizer.h"
 
@@ -139,13 +145,17 @@ class ModelQuantizers {
 
   // Per Linear, in module order.
   const std::vector<std::unique_ptr<QuantizedLinear>>& linears() const { return linears_; }
-  // Every quantizer by its modelopt name ("<linear>.input_quantizer" / ".weight_quantizer").
+  // Per attention, in module order: the KV-cache quantizers.
+  const std::vector<std::unique_ptr<QuantizedAttention>>& attentions() const { return attentions_; }
+  // Every quantizer by its modelopt name ("<linear>.input_quantizer" / ".weight_quantizer",
+  // "<attention>.k_bmm_quantizer" / ".v_bmm_quantizer").
   std::map<std::string, TensorQuantizer> quantizers() const;
   // "<quantizer name>._amax" -> amax, for every quantizer that has one (modelopt's keys).
   std::map<std::string, at::Tensor> amax_state_dict() const;
 
  private:
   void install_hooks(QuantizedLinear& linear);
+  void install_hooks(QuantizedAttention& attention);
   void calibrate_weights_directly();
   void load_calib_amax(bool weights_from_forward);
   void sync_amax(const QuantizeOptions& options);
@@ -155,6 +165,7 @@ class ModelQuantizers {
   hf::CausalLM model_;
   QuantConfig config_;
   std::vector<std::unique_ptr<QuantizedLinear>> linears_;
+  std::vector<std::unique_ptr<QuantizedAttention>> attentions_;
   std::vector<nn::HookHandle> hooks_;
 };
 

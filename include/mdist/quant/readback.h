@@ -33,8 +33,11 @@ namespace mdist::quant {
 
 // The input quantizers of the checkpoint in `dir` on `model` (loaded from it, plain, wrapped or
 // split alike: the input amax is one value per tensor), or null for a checkpoint without
-// quantization. Throws Error for a quant_algo other than FP8 and W8A8_SQ_PER_CHANNEL, for a
-// KV-cache quantization, and for an input_scale that is not one value. Not collective.
+// quantization. A kv_cache_quant_algo FP8 also puts k/v quantizers (E4M3, amax = k_scale /
+// v_scale x 448, frozen) on every attention: keys and values fake-quantized in every forward,
+// generate's cache included. Throws Error for a quant_algo other than FP8 and
+// W8A8_SQ_PER_CHANNEL, for another KV-cache algorithm, for a missing k/v scale and for a
+// scale that is not one value. Not collective.
 std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& model,
                                                                const std::filesystem::path& dir);
 
