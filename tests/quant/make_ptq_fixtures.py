@@ -9,7 +9,8 @@ For each architecture a seeded random model is built with transformers in fp32 (
 ptq_qwen3_bf16: the Qwen3 model in bf16) and saved with
 save_pretrained (config.json + model.safetensors: the checkpoint the C++ test loads). Then, on
 CPU, for each preset (fp8 = mtq.FP8_DEFAULT_CFG, int8 = mtq.INT8_DEFAULT_CFG, int8_sq =
-mtq.INT8_SMOOTHQUANT_CFG: SmoothQuant with alpha 1.0; for llama also int8_sq_alpha0.5, that
+mtq.INT8_SMOOTHQUANT_CFG: SmoothQuant with alpha 1.0; nvfp4 = mtq.NVFP4_DEFAULT_CFG, its fake
+quant on nvfp4_kernel_reference.py; for llama also int8_sq_alpha0.5, that
 config with alpha 0.5), a fresh copy of
 that model goes through modelopt's own
     mtq.quantize(model, CFG, lambda m: [m(input_ids=b) for b in calib])
@@ -50,9 +51,16 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import modelopt.torch.quantization as mtq
+import modelopt.torch.quantization.tensor_quant as tensor_quant
 from modelopt.torch.export import export_hf_checkpoint
 from modelopt.torch.quantization.config import _default_disabled_quantizer_cfg
 from modelopt.torch.quantization.nn import QuantModuleRegistry, TensorQuantizer
+from nvfp4_kernel_reference import fp4_kernel_reference
+
+# NVFP4's fake quant has only a CUDA kernel in modelopt: its quantized forward (the loss) runs
+# on the pure-torch copy of that kernel's math; calibration (max, quantization off) and the
+# export (NVFP4QTensor) are modelopt's own CPU code.
+tensor_quant.dynamic_block_quantize_op = fp4_kernel_reference
 
 HERE = pathlib.Path(__file__).resolve().parent / "fixtures"
 COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -67,7 +75,7 @@ ARCHS = {
                                                   tie_word_embeddings=False)),
 }
 PRESETS = {"fp8": mtq.FP8_DEFAULT_CFG, "int8": mtq.INT8_DEFAULT_CFG,
-           "int8_sq": mtq.INT8_SMOOTHQUANT_CFG}
+           "int8_sq": mtq.INT8_SMOOTHQUANT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}
 # INT8_SMOOTHQUANT_CFG with another SmoothQuant alpha (mdist quantize --sq-alpha 0.5), on the
 # fp32 Llama only.
 INT8_SQ_ALPHA_HALF = copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)
