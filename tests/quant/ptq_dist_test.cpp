@@ -96,7 +96,8 @@ TEST_P(PtqDataParallel, AmaxAndLossEqualModeloptsSingleProcess) {
 
 INSTANTIATE_TEST_SUITE_P(Models, PtqDataParallel,
                          ::testing::Combine(::testing::Values("llama", "qwen3"),
-                                            ::testing::Values("fp8", "int8"), ::testing::Bool()),
+                                            ::testing::Values("fp8", "int8", "nvfp4"),
+                                            ::testing::Bool()),
                          [](const auto& test_info) {
                            return std::get<0>(test_info.param) + "_" +
                                   std::get<1>(test_info.param) +
@@ -115,6 +116,11 @@ TEST_P(PtqTensorParallel, EachRankHoldsItsPartOfModeloptsAmax) {
   const PtqFixture fixture(arch);
   mdist::hf::CausalLM model = mdist::hf::load_pretrained(fixture_dir(arch));
   if (t == 1 || model->config.num_attention_heads % t != 0) GTEST_SKIP() << "needs 2 or 4 ranks";
+  // NVFP4's blocks of 16 must not straddle two ranks: o_proj's 32 input channels split 4 ways
+  // are 8 per rank (quantize refuses that; tests/quant/nvfp4_test.cpp checks the message).
+  if (preset == "nvfp4" && model->config.hidden_size / t % 16 != 0) {
+    GTEST_SKIP() << "nvfp4 needs whole blocks of 16 per tensor-parallel rank";
+  }
   model->eval();
   const auto state = mdist::make_parallel_state({.tensor_parallel = t});
   const mdist::hf::Parallelism parallelism =
@@ -175,7 +181,7 @@ TEST_P(PtqTensorParallel, EachRankHoldsItsPartOfModeloptsAmax) {
 
 INSTANTIATE_TEST_SUITE_P(Models, PtqTensorParallel,
                          ::testing::Combine(::testing::Values("llama", "qwen3"),
-                                            ::testing::Values("fp8", "int8")),
+                                            ::testing::Values("fp8", "int8", "nvfp4")),
                          [](const auto& test_info) {
                            return std::get<0>(test_info.param) + "_" + std::get<1>(test_info.param);
                          });
