@@ -19,6 +19,9 @@ and expected.safetensors records:
   eval_ids         int64 [rows, T]: the held-out batch
   loss             f32 []: the unquantized model's loss on eval_ids (labels = eval_ids)
   <preset>.loss    f32 []: the quantized model's loss on eval_ids
+  nvfp4.export_loss f32 []: that loss once q/k/v and gate/up share their group's largest
+                   weight and input amax, as modelopt's export makes them share weight_scale_2
+                   and input_scale: the loss of the NVFP4 export read back
   <preset>.<quantizer name>._amax   every `_amax` buffer modelopt's state dict holds after
                    quantize (e.g. fp8.model.layers.0.self_attn.q_proj.weight_quantizer._amax)
   <preset>.<quantizer name>._pre_quant_scale   SmoothQuant's per-channel scales (int8_sq), in
@@ -105,6 +108,22 @@ def parent_class(module):
     return "other"
 
 
+def fused_amax_loss(quantized, eval_ids):
+    """The loss of an NVFP4-quantized model after the amax change modelopt's export makes
+    (`preprocess_linear_fusion`: q/k/v and gate/up get their group's largest weight and input
+    amax), on a copy: what reading the export back must give."""
+    model = copy.deepcopy(quantized)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]):
+            for name in ("weight_quantizer", "input_quantizer"):
+                amax = torch.max(torch.stack([getattr(m, name).amax for m in group]))
+                for m in group:
+                    getattr(m, name).amax = amax
+    with torch.no_grad():
+        return model(input_ids=eval_ids, labels=eval_ids).loss.float()
+
+
 def write_wildcards():
     names = ["model.layers.0.self_attn.q_proj.weight_quantizer", "lm_head.input_quantizer",
              "model.layers.3.mlp.gate.weight_quantizer", "model.layers.3.mlp.gate_proj.input_quantizer",
@@ -183,6 +202,8 @@ def write(arch, config_cls, model_cls, extra, dtype=torch.float32, presets=PRESE
         for key, value in quantized.state_dict().items():
             if key.endswith("._pre_quant_scale"):
                 tensors[f"{preset}.{key}"] = value.clone()
+        if preset == "nvfp4":
+            tensors["nvfp4.export_loss"] = fused_amax_loss(quantized, eval_ids)
         # modelopt's unified HF export of the same quantized model (it modifies the model).
         # dtype given: without it modelopt 0.47 takes transformers 5's config.dtype, here the
         # string "float32", and fails in weight.to("float32") ("Invalid device string").

@@ -74,6 +74,7 @@ TEST_P(Nvfp4, PackedWeightsDequantizeToTheFakeQuantWeights) {
   const torch::NoGradGuard no_grad;
   int64_t fused_differing = 0, fused_total = 0;
   for (const auto& linear : q.quantizers->linears()) {
+    if (!linear->weight_quantizer->is_enabled()) continue;  // lm_head
     const std::string name = linear->name + ".weight";
     ASSERT_TRUE(mdist::hf::detail::is_nvfp4_weight(checkpoint, name)) << name;
     const at::Tensor read = mdist::hf::detail::dequantized_rows(checkpoint, name, 0, -1);
@@ -99,7 +100,9 @@ TEST_P(Nvfp4, PackedWeightsDequantizeToTheFakeQuantWeights) {
 
 // The export read back (load_pretrained + apply_checkpoint_quantization: dequantized weights,
 // inputs fake-quantized under input_scale's global amax): the same loss from mdist's export and
-// from modelopt's (byte-equal files), close to the fake-quant loss; the gap is reported.
+// from modelopt's (byte-equal files), and that loss is modelopt's fake-quantized model's once its
+// q/k/v and gate/up share their group's largest amax as the export makes them
+// (`nvfp4.export_loss`, 1e-6). Its gap to the fake-quant loss is that sharing; reported.
 TEST_P(Nvfp4, ExportReadBackGivesTheQuantizedLoss) {
   const std::string arch = GetParam();
   const PtqFixture fixture(arch);
@@ -121,9 +124,8 @@ TEST_P(Nvfp4, ExportReadBackGivesTheQuantizedLoss) {
   std::cout << "[ measured ] " << arch << " nvfp4: eval of the export " << mine
             << ", fake-quant loss " << fake << ", unquantized " << plain << ", gap "
             << relative(mine, fake) << " relative" << std::endl;
-  // The export's rounding (the fused layers' shared global scale) moves the loss by less than
-  // quantization itself does: the read-back model is the quantized one, not the original.
-  EXPECT_LT(std::abs(mine - fake), std::abs(plain - fake));
+  const double shared = fixture.tensor("nvfp4.export_loss").item<double>();
+  EXPECT_LT(relative(mine, shared), 1e-6) << mine << " vs modelopt's " << shared;
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, Nvfp4, ::testing::Values("llama", "qwen3"));
