@@ -171,7 +171,8 @@ QuantizeInputs check_inputs(const QuantizeOptions& o) {
       // on the model's shapes alone (the meta device), before anything is loaded.
       hf::CausalLM shapes(in.choice.config, c10::kMeta);
       if (const auto problem =
-              quant::block_size_problem(shapes, quant::QuantConfig::preset(o.format))) {
+              quant::block_size_problem(shapes, quant::QuantConfig::preset(o.format),
+                                        static_cast<int>(o.io.tensor_parallel))) {
         throw InputError("--format " + o.format + ": " + *problem);
       }
     }

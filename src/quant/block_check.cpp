@@ -7,13 +7,25 @@
 
 namespace mdist::quant {
 
-std::optional<std::string> block_size_problem(hf::CausalLM& model, const QuantConfig& config) {
+namespace {
+
+// hf::parallelize's row-parallel Linears in the Llama family: their input channels are split.
+bool row_parallel(const std::string& name) {
+  return name.ends_with(".o_proj") || name.ends_with(".down_proj");
+}
+
+}  // namespace
+
+std::optional<std::string> block_size_problem(hf::CausalLM& model, const QuantConfig& config,
+                                              int tensor_parallel) {
   for (const auto& item : model->named_modules("", /*include_self=*/false)) {
     const auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(item.value());
     if (!linear) continue;
     // The weight's last dim: the whole in_features, or this rank's columns of a row-parallel
     // Linear (whose blocks must not straddle two ranks either).
-    const int64_t in_features = linear->weight.size(-1);
+    const int64_t whole = linear->weight.size(-1);
+    const bool split = tensor_parallel > 1 && row_parallel(item.key());
+    const int64_t in_features = split ? whole / tensor_parallel : whole;
     for (const auto role : {QuantizerRole::input, QuantizerRole::weight}) {
       const std::string suffix =
           role == QuantizerRole::input ? ".input_quantizer" : ".weight_quantizer";
@@ -21,8 +33,12 @@ std::optional<std::string> block_size_problem(hf::CausalLM& model, const QuantCo
       if (!q.enabled || q.format.block_kind() == BlockKind::none) continue;
       const int64_t block = q.format.block_size();
       if (in_features % block == 0) continue;
-      return item.key() + " has in_features " + std::to_string(in_features) + ", which " +
-             q.format.str() + " does not divide into whole blocks of " + std::to_string(block);
+      const std::string size = split ? std::to_string(in_features) + " per tensor-parallel rank (" +
+                                           std::to_string(whole) + " / " +
+                                           std::to_string(tensor_parallel) + ")"
+                                     : std::to_string(in_features);
+      return item.key() + " has in_features " + size + ", which " + q.format.str() +
+             " does not divide into whole blocks of " + std::to_string(block);
     }
   }
   return std::nullopt;

@@ -492,6 +492,18 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
       EXPECT_EQ(read(out / "earlier.txt"), "kept\n");
     }
   }
+  // nvfp4 under --tp 4 (4 ranks): o_proj's 32 input channels are 8 per rank, refused before
+  // the model is loaded.
+  {
+    const auto r = mdist(4, base({"--format", "nvfp4", "--tp", "4", "--out", out.string()}));
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist quantize: error: --format nvfp4: "
+                                 "model.layers.0.self_attn.o_proj has in_features 8 per "
+                                 "tensor-parallel rank (32 / 4)"))
+        << describe(r);
+    EXPECT_EQ(error_lines(r.err), 1) << r.err;
+    EXPECT_EQ(tree(dir_), before);
+  }
   // --out missing entirely: nothing created.
   const fs::path fresh = dir_ / "fresh";
   const auto r = mdist(1, base({"--format", "fp9", "--out", fresh.string()}));

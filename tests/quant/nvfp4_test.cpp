@@ -142,6 +142,16 @@ TEST(Nvfp4Blocks, InFeaturesNotAMultipleOf16AreRefused) {
   // Formats without blocks take any size.
   EXPECT_FALSE(mdist::quant::block_size_problem(model, QuantConfig::preset("fp8")).has_value());
   EXPECT_FALSE(mdist::quant::block_size_problem(model, QuantConfig::preset("int8")).has_value());
+  // Under tensor parallelism the row-parallel shards count: o_proj's 32 inputs are 16 per rank
+  // on 2 ranks (whole blocks), 8 on 4.
+  auto even_config = config;
+  even_config.intermediate_size = 64;
+  mdist::hf::CausalLM even(even_config, c10::kMeta);
+  EXPECT_FALSE(mdist::quant::block_size_problem(even, QuantConfig::preset("nvfp4"), 2).has_value());
+  const auto split = mdist::quant::block_size_problem(even, QuantConfig::preset("nvfp4"), 4);
+  ASSERT_TRUE(split.has_value());
+  EXPECT_THAT(*split, HasSubstr("model.layers.0.self_attn.o_proj has in_features 8 per "
+                                "tensor-parallel rank (32 / 4)"));
 
   mdist::hf::CausalLM real(config);
   try {

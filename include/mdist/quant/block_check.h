@@ -19,8 +19,11 @@ namespace mdist::quant {
 // The first Linear of `model` (any device, the meta device included) whose weight or input
 // quantizer `config` enables in blocks the Linear's in_features is not a multiple of:
 // "model.layers.0.mlp.down_proj has in_features 40, which nvfp4 (...) does not divide into
-// whole blocks of 16". nullopt when there is none. Under tensor parallelism pass the model
-// before it is split (a row-parallel shard's in_features is checked by quantize itself).
-std::optional<std::string> block_size_problem(hf::CausalLM& model, const QuantConfig& config);
+// whole blocks of 16". nullopt when there is none. The sizes are the model's weights' (a split
+// model: its shards'). `tensor_parallel` > 1 on an unsplit model checks the shards
+// hf::parallelize would give it: the row-parallel o_proj and down_proj hold in_features / T
+// input channels each ("... has in_features 8 per tensor-parallel rank (32 / 4) ...").
+std::optional<std::string> block_size_problem(hf::CausalLM& model, const QuantConfig& config,
+                                              int tensor_parallel = 1);
 
 }  // namespace mdist::quant
