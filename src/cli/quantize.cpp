@@ -11,10 +11,11 @@
 // keeps its other files and gets each of the export's files replaced whole. Bad input is
 // agreed on before anything is created.
 //
-// int8_sq (INT8_SMOOTHQUANT_CFG) calibrates with SmoothQuant (alpha 1.0) instead of max.
-// --kv-cache fp8 adds modelopt's FP8_KV_CFG (quant::add_kv_cache_rules) to any format.
-// Not implemented yet (refused with one line, exit 2): the formats int4_awq,
-// w4a8_awq and nvfp4, expert parallelism (--ep), --param-dtype.
+// int8_sq (INT8_SMOOTHQUANT_CFG) calibrates with SmoothQuant (alpha 1.0) instead of max;
+// nvfp4 (NVFP4_DEFAULT_CFG) needs every quantized Linear's in_features to be a multiple of its
+// blocks of 16 (checked before loading). --kv-cache fp8 adds modelopt's FP8_KV_CFG
+// (quant::add_kv_cache_rules) to any format. Not implemented yet (refused with one line, exit
+// 2): the formats int4_awq and w4a8_awq, expert parallelism (--ep), --param-dtype.
 //
 // Progress: on a terminal rank 0 redraws one line per phase in place (held-out loss before,
 // calibrating, SmoothQuant's smoothing pass, held-out loss after, exporting) with a count of
@@ -35,6 +36,7 @@
 #include "mdist/io/atomic_file.h"
 #include "mdist/nn/hooks.h"
 #include "mdist/objects/collectives.h"
+#include "mdist/quant/block_check.h"
 #include "mdist/quant/export.h"
 #include "mdist/quant/quantize.h"
 #include "mdist/runtime/runtime.h"
@@ -52,31 +54,34 @@ using Seconds = std::chrono::duration<double>;
 
 // --format: the presets quant::QuantConfig knows, with the quant_algo their export writes.
 const std::map<std::string, std::string>& implemented_formats() {
-  static const std::map<std::string, std::string> formats = {
-      {"fp8", "FP8"}, {"int8", "W8A8_SQ_PER_CHANNEL"}, {"int8_sq", "W8A8_SQ_PER_CHANNEL"}};
+  static const std::map<std::string, std::string> formats = {{"fp8", "FP8"},
+                                                             {"int8", "W8A8_SQ_PER_CHANNEL"},
+                                                             {"int8_sq", "W8A8_SQ_PER_CHANNEL"},
+                                                             {"nvfp4", "NVFP4"}};
   return formats;
 }
 
 // issue 28's other formats: named here so that they are refused as not implemented yet
 // rather than as unknown.
 const std::set<std::string>& planned_formats() {
-  static const std::set<std::string> formats = {"int4_awq", "w4a8_awq", "nvfp4"};
+  static const std::set<std::string> formats = {"int4_awq", "w4a8_awq"};
   return formats;
 }
 
 void check_format(const QuantizeOptions& o) {
   if (o.format.empty()) {
     throw InputError(
-        "--format is required: fp8, int8 or int8_sq (modelopt's FP8_DEFAULT_CFG, "
-        "INT8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG)");
+        "--format is required: fp8, int8, int8_sq or nvfp4 (modelopt's FP8_DEFAULT_CFG, "
+        "INT8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG, NVFP4_DEFAULT_CFG)");
   }
   if (planned_formats().contains(o.format)) {
     throw InputError("--format " + o.format +
-                     " is not implemented yet; the implemented formats are fp8, int8 and int8_sq");
+                     " is not implemented yet; the implemented formats are fp8, int8, int8_sq and "
+                     "nvfp4");
   }
   if (!implemented_formats().contains(o.format)) {
     throw InputError("unknown --format '" + o.format +
-                     "'; the formats are fp8, int8 and int8_sq (int4_awq, w4a8_awq and nvfp4 are "
+                     "'; the formats are fp8, int8, int8_sq and nvfp4 (int4_awq and w4a8_awq are "
                      "not implemented yet)");
   }
   if (o.sq_alpha && o.format != "int8_sq") {
@@ -167,6 +172,16 @@ QuantizeInputs check_inputs(const QuantizeOptions& o) {
           "--format int8_sq is not supported for a mixture of experts yet (modelopt smooths only "
           "its attention layers and quantizes its fused experts unsmoothed, which mdist does not "
           "reproduce); use --format int8 or fp8");
+    }
+    {
+      // Block formats (nvfp4) need whole blocks along every quantized Linear's inputs: checked
+      // on the model's shapes alone (the meta device), before anything is loaded.
+      hf::CausalLM shapes(in.choice.config, c10::kMeta);
+      if (const auto problem =
+              quant::block_size_problem(shapes, quant::QuantConfig::preset(o.format),
+                                        static_cast<int>(o.io.tensor_parallel))) {
+        throw InputError("--format " + o.format + ": " + *problem);
+      }
     }
     in.calib = load_checked_data(o.io, DataSplit::train, in.choice, "quantize: calibration");
     // The held-out data as `mdist eval` reads it with the same flags: the embedded corpus's

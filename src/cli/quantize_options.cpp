@@ -12,8 +12,8 @@ void declare_quantize_flags(CLI::App& app, QuantizeOptions& o) {
   app.add_option("--format", o.format,
                  "Quantization format, as modelopt's presets: fp8 (FP8_DEFAULT_CFG, quant_algo "
                  "FP8), int8 (INT8_DEFAULT_CFG, W8A8_SQ_PER_CHANNEL) or int8_sq "
-                 "(INT8_SMOOTHQUANT_CFG: SmoothQuant, alpha 1.0, W8A8_SQ_PER_CHANNEL); int4_awq, "
-                 "w4a8_awq and nvfp4 are not implemented yet")
+                 "(INT8_SMOOTHQUANT_CFG: SmoothQuant, alpha 1.0, W8A8_SQ_PER_CHANNEL) or nvfp4 "
+                 "(NVFP4_DEFAULT_CFG, NVFP4); int4_awq and w4a8_awq are not implemented yet")
       ->type_name("NAME");
   app.add_option("--sq-alpha", o.sq_alpha,
                  "--format int8_sq: SmoothQuant's migration strength alpha in [0, 1] (modelopt's "

@@ -71,7 +71,8 @@ std::map<std::string, FusedParam> fused_params(const LlamaConfig& config,
 std::vector<std::string> check_checkpoint(const LlamaConfig& config,
                                           const SafetensorsCheckpoint& checkpoint) {
   // A quantized checkpoint is read only in the formats whose weights this loader dequantizes.
-  if (const auto q = checkpoint_quantization(checkpoint.dir()); q && !is_readable(*q)) {
+  const auto quantization = checkpoint_quantization(checkpoint.dir());
+  if (const auto& q = quantization; q && !is_readable(*q)) {
     throw Error("quantized with quant_algo " + q->quant_algo +
                 (q->kv_cache_quant_algo ? " and kv_cache_quant_algo " + *q->kv_cache_quant_algo
                                         : std::string()) +
@@ -95,10 +96,19 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
     TensorInfo info =
         checkpoint.contains(name) ? checkpoint.info(name) : checkpoint.info(in_fused->second.key);
     if (!checkpoint.contains(name)) info.shape = in_fused->second.shape;
+    if (checkpoint.contains(name)) info.shape = detail::model_shape(checkpoint, name);
     if (!c10::IntArrayRef(info.shape).equals(item.value().sizes())) {
       throw Error("size mismatch for '" + name + "': copying a param with shape " +
                   shape_text(info.shape) + " from checkpoint, the shape in current model is " +
                   shape_text(item.value().sizes()));
+    }
+    // A quantized weight must be stored as its quant_algo stores it (an FP8 weight under an
+    // NVFP4 label would be read with the wrong arithmetic).
+    if (quantization && detail::is_quantized_weight(checkpoint, name) &&
+        info.dtype != detail::stored_weight_dtype(quantization->quant_algo)) {
+      throw Error("'" + name + "' is stored as " + dtype_name(info.dtype) + ", but quant_algo " +
+                  quantization->quant_algo + " stores its weights as " +
+                  dtype_name(detail::stored_weight_dtype(quantization->quant_algo)));
     }
     // A quantized Linear's weight (int8 or fp8 with its weight_scale) is read dequantized.
     if (!c10::isFloatingType(info.dtype) && !detail::is_quantized_weight(checkpoint, name)) {
@@ -428,7 +438,7 @@ void load_sharded(torch::nn::Module& model, const TensorParallelPlan* plan,
   }
   source.shape = [&](const std::string& name) {
     if (const auto it = fused.find(name); it != fused.end()) return it->second.shape;
-    return checkpoint.info(name).shape;
+    return detail::model_shape(checkpoint, name);
   };
   source.read = [&](const std::string& name, int64_t first_row, int64_t rows) {
     if (const auto it = fused.find(name); it != fused.end()) {

@@ -46,6 +46,31 @@ CheckpointQuantization from_entry(const nlohmann::json& entry, const std::string
 // The module of a tensor name: "model.layers.0.mlp.up_proj.weight" -> "model.layers.0.mlp.up_proj".
 std::string module_of(const std::string& name) { return name.substr(0, name.rfind('.')); }
 
+// modelopt's NVFP4QTensor.dequantize: each byte's low nibble is the even column, its high
+// nibble the odd one; a nibble is sign << 3 | E2M1 index into {0, .5, 1, 1.5, 2, 3, 4, 6};
+// W = value * (weight_scale.float() * weight_scale_2) per block of 16 input channels, in fp32.
+at::Tensor dequantize_nvfp4(const at::Tensor& packed, const at::Tensor& block_scale,
+                            const at::Tensor& scale_2, const std::string& module) {
+  const int64_t rows = packed.dim() == 2 ? packed.size(0) : 0;
+  const int64_t columns = packed.dim() == 2 ? packed.size(1) * 2 : 0;
+  if (packed.dim() != 2 || block_scale.dim() != 2 || block_scale.size(0) != rows ||
+      block_scale.size(1) * 16 != columns || scale_2.numel() != 1 ||
+      block_scale.scalar_type() != at::kFloat8_e4m3fn) {
+    throw Error("'" + module + "': an NVFP4 weight " + c10::str(packed.sizes()) +
+                " needs an e4m3 weight_scale of shape [" + std::to_string(rows) + ", " +
+                std::to_string(columns / 16) + "] and a one-value weight_scale_2; got " +
+                c10::str(block_scale.scalar_type()) + " " + c10::str(block_scale.sizes()) +
+                " and " + std::to_string(scale_2.numel()) + " values");
+  }
+  const at::Tensor values = at::tensor({0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0.0f, -0.5f,
+                                        -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f});
+  const at::Tensor codes =
+      at::stack({packed & 0x0F, at::bitwise_right_shift(packed, 4)}, -1).reshape({rows, columns});
+  const at::Tensor unpacked = values.index({codes.to(at::kLong)});
+  const at::Tensor scale = block_scale.to(at::kFloat) * scale_2.to(at::kFloat).reshape({});
+  return (unpacked.view({rows, columns / 16, 16}) * scale.unsqueeze(-1)).reshape({rows, columns});
+}
+
 }  // namespace
 
 std::optional<CheckpointQuantization> checkpoint_quantization(const std::filesystem::path& dir) {
@@ -63,7 +88,8 @@ std::optional<CheckpointQuantization> checkpoint_quantization(const std::filesys
 }
 
 bool is_readable(const CheckpointQuantization& q) {
-  return (q.quant_algo == "FP8" || q.quant_algo == "W8A8_SQ_PER_CHANNEL") &&
+  return (q.quant_algo == "FP8" || q.quant_algo == "W8A8_SQ_PER_CHANNEL" ||
+          q.quant_algo == "NVFP4") &&
          (!q.kv_cache_quant_algo || *q.kv_cache_quant_algo == "FP8");
 }
 
@@ -71,9 +97,31 @@ namespace detail {
 
 bool is_quantized_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name) {
   if (!name.ends_with(".weight") || !checkpoint.contains(name)) return false;
+  if (!checkpoint.contains(module_of(name) + ".weight_scale")) return false;
   const auto dtype = checkpoint.info(name).dtype;
-  return (dtype == at::kFloat8_e4m3fn || dtype == at::kChar) &&
-         checkpoint.contains(module_of(name) + ".weight_scale");
+  return dtype == at::kFloat8_e4m3fn || dtype == at::kChar || is_nvfp4_weight(checkpoint, name);
+}
+
+at::ScalarType stored_weight_dtype(const std::string& quant_algo) {
+  if (quant_algo == "FP8") return at::kFloat8_e4m3fn;
+  if (quant_algo == "W8A8_SQ_PER_CHANNEL") return at::kChar;
+  if (quant_algo == "NVFP4") return at::kByte;
+  throw Error("quant_algo " + quant_algo + " is not read back");
+}
+
+bool is_nvfp4_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name) {
+  if (!name.ends_with(".weight") || !checkpoint.contains(name)) return false;
+  const std::string module = module_of(name);
+  return checkpoint.info(name).dtype == at::kByte &&
+         checkpoint.contains(module + ".weight_scale") &&
+         checkpoint.contains(module + ".weight_scale_2");
+}
+
+std::vector<int64_t> model_shape(const SafetensorsCheckpoint& checkpoint, const std::string& name) {
+  std::vector<int64_t> shape = checkpoint.info(name).shape;
+  // Two E2M1 codes per byte along the input dim.
+  if (is_nvfp4_weight(checkpoint, name) && !shape.empty()) shape.back() *= 2;
+  return shape;
 }
 
 bool is_quantization_scale(const SafetensorsCheckpoint& checkpoint, const std::string& name) {
@@ -82,8 +130,8 @@ bool is_quantization_scale(const SafetensorsCheckpoint& checkpoint, const std::s
   if (name.ends_with(".k_proj.k_scale") || name.ends_with(".v_proj.v_scale")) {
     return checkpoint.contains(name);
   }
-  if (!name.ends_with(".weight_scale") && !name.ends_with(".input_scale") &&
-      !name.ends_with(".pre_quant_scale")) {
+  if (!name.ends_with(".weight_scale") && !name.ends_with(".weight_scale_2") &&
+      !name.ends_with(".input_scale") && !name.ends_with(".pre_quant_scale")) {
     return false;
   }
   return is_quantized_weight(checkpoint, module_of(name) + ".weight");
@@ -93,6 +141,14 @@ at::Tensor dequantized_rows(const SafetensorsCheckpoint& checkpoint, const std::
                             std::int64_t first_row, std::int64_t rows) {
   const at::Tensor stored =
       rows < 0 ? checkpoint.tensor(name) : checkpoint.read_rows(name, first_row, rows);
+  if (is_nvfp4_weight(checkpoint, name)) {
+    const std::string scale_name = module_of(name) + ".weight_scale";
+    const at::Tensor block_scale = rows < 0 ? checkpoint.tensor(scale_name)
+                                            : checkpoint.read_rows(scale_name, first_row, rows);
+    return dequantize_nvfp4(stored, block_scale,
+                            checkpoint.tensor(module_of(name) + ".weight_scale_2"),
+                            module_of(name));
+  }
   const at::Tensor scale = checkpoint.tensor(module_of(name) + ".weight_scale").to(at::kFloat);
   const at::Tensor values = stored.to(at::kFloat);
   const int64_t out_rows = checkpoint.info(name).shape.front();

@@ -21,6 +21,7 @@
 #include "mdist/io/atomic_file.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
+#include "src/quant/nvfp4_export.h"
 
 namespace mdist::quant {
 namespace {
@@ -28,9 +29,10 @@ namespace {
 using json = nlohmann::ordered_json;
 
 // modelopt's per-layer formats that this export writes (`get_quantization_format`).
-enum class LayerFormat { none, fp8, int8_sq };
+enum class LayerFormat { none, fp8, int8_sq, nvfp4 };
 
 const char* quant_algo(LayerFormat format) {
+  if (format == LayerFormat::nvfp4) return "NVFP4";
   return format == LayerFormat::fp8 ? "FP8" : "W8A8_SQ_PER_CHANNEL";
 }
 
@@ -46,9 +48,12 @@ LayerFormat layer_format(const QuantizedLinear& q) {
   if (weight && input && w == QuantFormat::int8_per_row() && x == QuantFormat::int8()) {
     return LayerFormat::int8_sq;
   }
+  if (weight && input && w == QuantFormat::nvfp4() && x == QuantFormat::nvfp4()) {
+    return LayerFormat::nvfp4;
+  }
   throw Error("mdist::quant: export_hf_checkpoint: " + q.name + " is quantized as weight " +
               (weight ? w.str() : "disabled") + ", input " + (input ? x.str() : "disabled") +
-              "; only the fp8 and int8 presets' layers can be exported yet");
+              "; only the fp8, int8 and nvfp4 presets' layers can be exported yet");
 }
 
 // modelopt's TensorQuantizer.export_amax then `amax.float() / maxbound`
@@ -77,6 +82,14 @@ at::Tensor scaling_factor(const at::Tensor& amax, double maxbound) {
 void export_linear(const QuantizedLinear& q, LayerFormat format, const at::Tensor& weight_amax,
                    const at::Tensor& input_amax, std::map<std::string, at::Tensor>& tensors) {
   const at::Tensor weight = tensors.at(q.name + ".weight");
+  if (format == LayerFormat::nvfp4) {
+    detail::Nvfp4Weight packed = detail::nvfp4_export_weight(weight, weight_amax);
+    tensors[q.name + ".weight"] = std::move(packed.packed);
+    tensors[q.name + ".weight_scale"] = std::move(packed.weight_scale);
+    tensors[q.name + ".weight_scale_2"] = std::move(packed.weight_scale_2);
+    tensors[q.name + ".input_scale"] = detail::nvfp4_input_scale(input_amax);
+    return;
+  }
   const at::Tensor input_scale = scaling_factor(input_amax, q.input_quantizer->format().maxbound());
   at::Tensor weight_scale;
   if (format == LayerFormat::fp8) {
@@ -208,6 +221,30 @@ void fuse_shared_inputs(const std::vector<std::string>& order,
   }
 }
 
+// modelopt's `preprocess_linear_fusion` for per-tensor amaxes (NVFP4's global amaxes): the
+// layers reading one input (q/k/v, gate/up) get the group's largest input amax and the group's
+// largest weight amax, so that they share input_scale and weight_scale_2 (the block scales
+// are then taken under that weight_scale_2).
+void share_fused_amax(const std::vector<std::string>& order,
+                      std::map<std::string, at::Tensor>& weight_amax,
+                      std::map<std::string, at::Tensor>& input_amax) {
+  std::map<std::string, std::vector<std::string>> groups;
+  for (const auto& name : order) groups[fusion_group(name)].push_back(name);
+  for (const auto& [group, members] : groups) {
+    if (members.size() < 2) continue;
+    std::vector<at::Tensor> weights, inputs;
+    for (const auto& m : members) {
+      weights.push_back(weight_amax.at(m).cpu());
+      inputs.push_back(input_amax.at(m).cpu());
+    }
+    const at::Tensor weight = at::max(at::stack(weights)), input = at::max(at::stack(inputs));
+    for (const auto& m : members) {
+      weight_amax[m] = weight;
+      input_amax[m] = input;
+    }
+  }
+}
+
 // The whole layer's weight amax. A column-parallel per-row amax holds this rank's rows only
 // (quantize keeps it per shard, as modelopt): the tensor-parallel group's rows are joined at
 // their offsets (ranks sharing replicated KV heads send the same rows). Collective over the
@@ -237,11 +274,14 @@ json producer() { return {{"name", "modelopt"}, {"version", "0.47.0 (mdist)"}}; 
 json quantization_config(LayerFormat format, const std::vector<std::string>& exclude,
                          const std::optional<std::string>& kv_cache) {
   json config = json::object();
-  if (format == LayerFormat::fp8) {
-    const json eight_bit_float = {{"dynamic", false}, {"num_bits", 8}, {"type", "float"}};
+  if (format == LayerFormat::fp8 || format == LayerFormat::nvfp4) {
+    const json scheme =
+        format == LayerFormat::fp8
+            ? json{{"dynamic", false}, {"num_bits", 8}, {"type", "float"}}
+            : json{{"dynamic", false}, {"num_bits", 4}, {"type", "float"}, {"group_size", 16}};
     config["config_groups"] = {{"group_0",
-                                {{"input_activations", eight_bit_float},
-                                 {"weights", eight_bit_float},
+                                {{"input_activations", scheme},
+                                 {"weights", scheme},
                                  {"targets", json::array({"Linear"})}}}};
   }
   config["ignore"] = exclude;
@@ -258,11 +298,11 @@ void write_files(hf::CausalLM& model, const std::map<std::string, at::Tensor>& t
                  const std::optional<std::string>& kv_cache, const std::filesystem::path& dir) {
   std::filesystem::create_directories(dir);
   hf::save_checkpoint(dir, tensors, std::uint64_t{5} << 30);
-  const json hf_quant = {{"producer", producer()},
-                         {"quantization",
-                          {{"quant_algo", quant_algo(format)},
-                           {"kv_cache_quant_algo", kv_cache ? json(*kv_cache) : json(nullptr)},
-                           {"exclude_modules", exclude}}}};
+  json quantization = {{"quant_algo", quant_algo(format)},
+                       {"kv_cache_quant_algo", kv_cache ? json(*kv_cache) : json(nullptr)}};
+  if (format == LayerFormat::nvfp4) quantization["group_size"] = 16;
+  quantization["exclude_modules"] = exclude;
+  const json hf_quant = {{"producer", producer()}, {"quantization", quantization}};
   io::write_file_atomically(dir / "hf_quant_config.json", hf_quant.dump(4));
   json config = json::parse(model->config.to_json());
   config["quantization_config"] = quantization_config(format, exclude, kv_cache);
@@ -337,6 +377,7 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
     smoothed[name] = {weight, scales.second.cpu(), row_amax(weight), input_amax.at(name).cpu()};
   }
   fuse_shared_inputs(order, smoothed);
+  if (*format == LayerFormat::nvfp4) share_fused_amax(order, weight_amax, input_amax);
   for (const auto& [name, layer] : smoothed) {
     tensors[name + ".weight"] = layer.weight;
     tensors[name + ".pre_quant_scale"] = layer.pre_quant_scale;

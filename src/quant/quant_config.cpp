@@ -59,7 +59,7 @@ QuantFormat default_format(QuantizerRole role) {
   return role == QuantizerRole::weight ? QuantFormat::int8_per_row() : QuantFormat::int8();
 }
 
-std::vector<std::string> QuantConfig::preset_names() { return {"fp8", "int8", "int8_sq"}; }
+std::vector<std::string> QuantConfig::preset_names() { return {"fp8", "int8", "int8_sq", "nvfp4"}; }
 
 QuantConfig QuantConfig::preset(std::string_view name) {
   // FP8_DEFAULT_CFG: E4M3 per tensor, weights and inputs.
@@ -72,6 +72,9 @@ QuantConfig QuantConfig::preset(std::string_view name) {
     config.algorithm = "smoothquant";
     return config;
   }
+  // NVFP4_DEFAULT_CFG: E2M1 in dynamic blocks of 16 with E4M3 block scales, weights and
+  // inputs; max calibration gives each its per-tensor global amax.
+  if (name == "nvfp4") return make_preset("nvfp4", QuantFormat::nvfp4(), QuantFormat::nvfp4());
   std::string known;
   for (const auto& preset : preset_names()) known += (known.empty() ? "" : ", ") + preset;
   throw InputError("mdist::quant: unknown quantization format '" + std::string(name) +

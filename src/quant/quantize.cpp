@@ -9,6 +9,7 @@
 
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
+#include "mdist/quant/block_check.h"
 #include "mdist/tp/collectives.h"
 #include "src/quant/amax_sync.h"
 
@@ -126,6 +127,9 @@ at::Tensor smoothed_weight(const at::Tensor& weight, const at::Tensor& smoothing
 ModelQuantizers::ModelQuantizers(hf::CausalLM& model, const QuantConfig& config)
     : model_(model), config_(config) {
   check_tied_head(model_, config_);
+  if (const auto problem = block_size_problem(model_, config_)) {
+    throw InputError("mdist::quant: " + *problem);
+  }
   if (config_.algorithm == "smoothquant" && model_->config.moe) {
     // modelopt 0.47 on transformers 5's Qwen3-MoE smooths only the attention Linears: the fused
     // experts (_QuantFusedExperts) are not Linears to it, so they are max-calibrated without

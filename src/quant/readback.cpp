@@ -23,7 +23,10 @@ std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& mod
   }
   // The preset whose input format the checkpoint's quant_algo names: only the input
   // quantizers are used, and only where the checkpoint has an input_scale.
-  QuantConfig config = QuantConfig::preset(quantization->quant_algo == "FP8" ? "fp8" : "int8");
+  const std::string& algo = quantization->quant_algo;
+  QuantConfig config = QuantConfig::preset(algo == "FP8"     ? "fp8"
+                                           : algo == "NVFP4" ? "nvfp4"
+                                                             : "int8");
   if (quantization->kv_cache_quant_algo) add_kv_cache_rules(config, "fp8");
   auto quantizers = std::make_unique<ModelQuantizers>(model, config);
   const hf::SafetensorsCheckpoint checkpoint(dir);
@@ -42,7 +45,11 @@ std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& mod
     }
     TensorQuantizer& input = q->input_quantizer;
     // fp32, on the device the model computes on (the fake quant meets its inputs there).
-    input->set_amax((scale.reshape({}) * input->format().maxbound()).to(device));
+    // input_scale = amax / maxbound; NVFP4's is the global scale amax / (6 * 448) under which
+    // the E4M3 block scales are computed at run time.
+    const double unit = input->format().is_nvfp4() ? input->format().maxbound() * 448.0
+                                                   : input->format().maxbound();
+    input->set_amax((scale.reshape({}) * unit).to(device));
     // SmoothQuant (INT8_SMOOTHQUANT_CFG's export): the input is multiplied by s before its
     // quantizer, as the smoothed weights stored here expect.
     const std::string smoothing = q->name + ".pre_quant_scale";

@@ -256,6 +256,52 @@ TEST_F(QuantizeCommand, MatchesModeloptAndEvalReadsTheExportBack) {
   }
 }
 
+// NVFP4 through the command: modelopt's loss and export on one rank, data parallel 2 byte for
+// byte as one rank, tensor parallel 2 within ptq_dist_test's bounds, and `mdist eval` of the
+// export (mdist's and modelopt's: the same number, modelopt's fake-quant loss under the export's
+// shared q/k/v and gate/up amax), whose gap to the fake-quant loss is reported.
+TEST_F(QuantizeCommand, Nvfp4MatchesModeloptAcrossLayoutsAndEvalReadsItBack) {
+  for (const std::string arch : {"llama", "qwen3"}) {
+    SCOPED_TRACE(arch);
+    const fs::path out = quantize(arch, "nvfp4", 1);
+    const fs::path modelopt = fixture(arch) / "export_nvfp4";
+    const auto json = report(out);
+    EXPECT_EQ(json["quant_algo"], "NVFP4");
+    EXPECT_LE(relative(json["loss_after"].get<double>(), expected(arch, "nvfp4.loss")), 1e-6);
+    EXPECT_EQ(compare_exports(out, modelopt, 0), 0);
+    expect_same_quant_config(out, modelopt);
+
+    const fs::path eval_data = tokens(arch, "eval_ids");
+    const auto mine = mdist(
+        1, {"eval", "--model", out.string(), "--data", eval_data.string(), "--seq-len", "16"});
+    ASSERT_EQ(mine.exit_code, 0) << describe(mine);
+    EXPECT_THAT(mine.err, Not(HasSubstr("ignoring")));
+    const auto theirs = mdist(
+        1, {"eval", "--model", modelopt.string(), "--data", eval_data.string(), "--seq-len", "16"});
+    ASSERT_EQ(theirs.exit_code, 0) << describe(theirs);
+    const double after = json["loss_after"].get<double>();
+    const double before = json["loss_before"].get<double>();
+    const double read_back = eval_loss(mine.out);
+    std::cout << "[ measured ] " << arch << " nvfp4: eval of the export " << read_back
+              << ", fake-quant loss " << after << ", unquantized " << before << ", gap "
+              << relative(read_back, after) << " relative" << std::endl;
+    EXPECT_DOUBLE_EQ(read_back, eval_loss(theirs.out));
+    // modelopt's fake-quantized model with the export's shared q/k/v and gate/up amax.
+    EXPECT_LE(relative(read_back, expected(arch, "nvfp4.export_loss")), 1e-6);
+  }
+  const fs::path one = dir_ / "qwen3-nvfp4-1ranks";
+  const fs::path dp = quantize("qwen3", "nvfp4", 2);
+  EXPECT_EQ(compare_exports(dp, one, 0), 0);
+  EXPECT_DOUBLE_EQ(report(dp)["loss_after"].get<double>(), report(one)["loss_after"].get<double>());
+  const fs::path tp = quantize("qwen3", "nvfp4", 2, {"--tp", "2"});
+  const int differing = compare_exports(tp, one, 1e-6);
+  std::cout << "[ measured ] qwen3 nvfp4 tp 2: " << differing
+            << " input scales differ from one rank's" << std::endl;
+  EXPECT_LE(
+      relative(report(tp)["loss_after"].get<double>(), report(one)["loss_after"].get<double>()),
+      1e-5);
+}
+
 // Data parallel 2 (plain and with a rank that pads): byte for byte as one rank (each sequence
 // is its own forward, the max over ranks is the max over sequences). Tensor parallel 2: the
 // activation amaxes come from split sums, ptq_dist_test's bounds.
@@ -460,13 +506,29 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
   const fs::path fp8_export = fixture("llama") / "export_fp8";
   const fs::path moe = qwen3_moe_model("moe", 4);
   const fs::path phi3 = phi3_model("phi3");
+  // A Llama whose MLP has 40 channels: down_proj's in_features are not whole blocks of 16.
+  const fs::path odd = [&] {
+    const fs::path config_dir = dir_ / "odd-config";
+    fs::create_directories(config_dir);
+    std::ofstream(config_dir / "config.json")
+        << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+               "intermediate_size": 40, "num_hidden_layers": 1, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 64})";
+    const fs::path model_dir = dir_ / "odd";
+    const auto r = run({MDIST_SAVE_FOR_TRANSFORMERS, config_dir.string(), model_dir.string()});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return model_dir;
+  }();
   struct Case {
     std::vector<std::string> args;
     std::string message;
   };
   const std::vector<Case> cases = {
       {base({"--format", "fp4", "--out", out.string()}), "unknown --format 'fp4'"},
-      {base({"--format", "nvfp4", "--out", out.string()}), "--format nvfp4 is not implemented yet"},
+      {std::vector<std::string>{"quantize", "--model", odd.string(), "--data", calib, "--seq-len",
+                                "16", "--format", "nvfp4", "--out", out.string()},
+       "--format nvfp4: model.layers.0.mlp.down_proj has in_features 40, which nvfp4 (e2m1, "
+       "dynamic blocks of 16, e4m3 scales) does not divide into whole blocks of 16"},
       {base({"--format", "int4_awq", "--out", out.string()}),
        "--format int4_awq is not implemented yet"},
       {base({"--format", "int8_sq", "--sq-alpha", "1.5", "--out", out.string()}),
@@ -509,6 +571,18 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
       EXPECT_EQ(read(out / "earlier.txt"), "kept\n");
     }
   }
+  // nvfp4 under --tp 4 (4 ranks): o_proj's 32 input channels are 8 per rank, refused before
+  // the model is loaded.
+  {
+    const auto r = mdist(4, base({"--format", "nvfp4", "--tp", "4", "--out", out.string()}));
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist quantize: error: --format nvfp4: "
+                                 "model.layers.0.self_attn.o_proj has in_features 8 per "
+                                 "tensor-parallel rank (32 / 4)"))
+        << describe(r);
+    EXPECT_EQ(error_lines(r.err), 1) << r.err;
+    EXPECT_EQ(tree(dir_), before);
+  }
   // --out missing entirely: nothing created.
   const fs::path fresh = dir_ / "fresh";
   const auto r = mdist(1, base({"--format", "fp9", "--out", fresh.string()}));
@@ -519,7 +593,7 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
 // A checkpoint quantized in a format the loader does not read back (its weights packed, its
 // scales elsewhere) is refused naming it, never loaded as plain weights.
 TEST_F(QuantizeCommand, EvalRefusesQuantAlgosItCannotReadBack) {
-  for (const std::string algo : {"NVFP4", "W4A16_AWQ"}) {
+  for (const std::string algo : {"W4A8_AWQ", "W4A16_AWQ"}) {
     const fs::path copy = dir_ / algo;
     fs::copy(fixture("llama") / "export_fp8", copy);
     auto config = json_file(copy / "config.json");

@@ -9,7 +9,8 @@ For each architecture a seeded random model is built with transformers in fp32 (
 ptq_qwen3_bf16: the Qwen3 model in bf16) and saved with
 save_pretrained (config.json + model.safetensors: the checkpoint the C++ test loads). Then, on
 CPU, for each preset (fp8 = mtq.FP8_DEFAULT_CFG, int8 = mtq.INT8_DEFAULT_CFG, int8_sq =
-mtq.INT8_SMOOTHQUANT_CFG: SmoothQuant with alpha 1.0; for llama also int8_sq_alpha0.5, that
+mtq.INT8_SMOOTHQUANT_CFG: SmoothQuant with alpha 1.0; nvfp4 = mtq.NVFP4_DEFAULT_CFG, its fake
+quant on nvfp4_kernel_reference.py; for llama also int8_sq_alpha0.5, that
 config with alpha 0.5), a fresh copy of
 that model goes through modelopt's own
     mtq.quantize(model, CFG, lambda m: [m(input_ids=b) for b in calib])
@@ -18,6 +19,9 @@ and expected.safetensors records:
   eval_ids         int64 [rows, T]: the held-out batch
   loss             f32 []: the unquantized model's loss on eval_ids (labels = eval_ids)
   <preset>.loss    f32 []: the quantized model's loss on eval_ids
+  nvfp4.export_loss f32 []: that loss once q/k/v and gate/up share their group's largest
+                   weight and input amax, as modelopt's export makes them share weight_scale_2
+                   and input_scale: the loss of the NVFP4 export read back
   <preset>.<quantizer name>._amax   every `_amax` buffer modelopt's state dict holds after
                    quantize (e.g. fp8.model.layers.0.self_attn.q_proj.weight_quantizer._amax)
   <preset>.<quantizer name>._pre_quant_scale   SmoothQuant's per-channel scales (int8_sq), in
@@ -50,9 +54,16 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import modelopt.torch.quantization as mtq
+import modelopt.torch.quantization.tensor_quant as tensor_quant
 from modelopt.torch.export import export_hf_checkpoint
 from modelopt.torch.quantization.config import _default_disabled_quantizer_cfg
 from modelopt.torch.quantization.nn import QuantModuleRegistry, TensorQuantizer
+from nvfp4_kernel_reference import fp4_kernel_reference
+
+# NVFP4's fake quant has only a CUDA kernel in modelopt: its quantized forward (the loss) runs
+# on the pure-torch copy of that kernel's math; calibration (max, quantization off) and the
+# export (NVFP4QTensor) are modelopt's own CPU code.
+tensor_quant.dynamic_block_quantize_op = fp4_kernel_reference
 
 HERE = pathlib.Path(__file__).resolve().parent / "fixtures"
 COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -67,7 +78,7 @@ ARCHS = {
                                                   tie_word_embeddings=False)),
 }
 PRESETS = {"fp8": mtq.FP8_DEFAULT_CFG, "int8": mtq.INT8_DEFAULT_CFG,
-           "int8_sq": mtq.INT8_SMOOTHQUANT_CFG}
+           "int8_sq": mtq.INT8_SMOOTHQUANT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}
 # INT8_SMOOTHQUANT_CFG with another SmoothQuant alpha (mdist quantize --sq-alpha 0.5), on the
 # fp32 Llama only.
 INT8_SQ_ALPHA_HALF = copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)
@@ -95,6 +106,22 @@ def parent_class(module):
         if isinstance(module, QuantModuleRegistry[registered]):
             return registered
     return "other"
+
+
+def fused_amax_loss(quantized, eval_ids):
+    """The loss of an NVFP4-quantized model after the amax change modelopt's export makes
+    (`preprocess_linear_fusion`: q/k/v and gate/up get their group's largest weight and input
+    amax), on a copy: what reading the export back must give."""
+    model = copy.deepcopy(quantized)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]):
+            for name in ("weight_quantizer", "input_quantizer"):
+                amax = torch.max(torch.stack([getattr(m, name).amax for m in group]))
+                for m in group:
+                    getattr(m, name).amax = amax
+    with torch.no_grad():
+        return model(input_ids=eval_ids, labels=eval_ids).loss.float()
 
 
 def write_wildcards():
@@ -175,6 +202,8 @@ def write(arch, config_cls, model_cls, extra, dtype=torch.float32, presets=PRESE
         for key, value in quantized.state_dict().items():
             if key.endswith("._pre_quant_scale"):
                 tensors[f"{preset}.{key}"] = value.clone()
+        if preset == "nvfp4":
+            tensors["nvfp4.export_loss"] = fused_amax_loss(quantized, eval_ids)
         # modelopt's unified HF export of the same quantized model (it modifies the model).
         # dtype given: without it modelopt 0.47 takes transformers 5's config.dtype, here the
         # string "float32", and fails in weight.to("float32") ("Invalid device string").

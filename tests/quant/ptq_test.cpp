@@ -225,7 +225,7 @@ TEST_P(PtqBf16, ExportEqualsModeloptsByteForByte) {
             << " input amaxes equal to modelopt's" << std::endl;
 }
 
-INSTANTIATE_TEST_SUITE_P(Presets, PtqBf16, ::testing::Values("fp8", "int8"));
+INSTANTIATE_TEST_SUITE_P(Presets, PtqBf16, ::testing::Values("fp8", "int8", "nvfp4"));
 
 // SmoothQuant on the bf16 model: s = max|W_c| / max|x_c| comes from bf16 activations, which
 // libtorch and PyTorch compute differently in the last bit after the first attention (the
@@ -324,7 +324,7 @@ TEST(PtqExport, RefusesWhatItCannotWriteYet) {
 
 INSTANTIATE_TEST_SUITE_P(Models, Ptq,
                          ::testing::Combine(::testing::Values("llama", "qwen3"),
-                                            ::testing::Values("fp8", "int8", "int8_sq")),
+                                            ::testing::Values("fp8", "int8", "int8_sq", "nvfp4")),
                          [](const auto& test_info) {
                            return std::get<0>(test_info.param) + "_" + std::get<1>(test_info.param);
                          });

@@ -12,15 +12,22 @@
 //   int8 (W8A8_SQ_PER_CHANNEL): weight int8 [out, in] = clamp(round_half_even(W / s[:, None]),
 //                           -128, 127), weight_scale f32 [out] = row amax / 127,
 //                           input_scale f32 [] = amax / 127
+//   nvfp4 (quant_algo NVFP4): weight uint8 [out, in/2] (E2M1 codes, two per byte along the
+//                           input dim), weight_scale float8_e4m3fn [out, in/16] (per block of
+//                           16), weight_scale_2 f32 [] = amax_w / 2688, input_scale f32 [] =
+//                           amax / 2688; q/k/v and gate/up share the group's largest weight and
+//                           input amax (src/quant/nvfp4_export.h has the arithmetic);
 //   with modelopt's export arithmetic (not the fake quant's: it divides by the scale, where
 //   fake quant multiplies by its reciprocal). FP8 weights: amax in fp32, a 0-d scale, W divided
 //   in the weights' dtype (bf16 stays bf16). INT8 weights and all input scales: the amax first
 //   sanitised as modelopt's `export_amax` (0 or NaN -> maxbound, clamped to the amax dtype's
 //   [tiny, max]); the [out, 1] scale promotes bf16 weights to fp32 for the division;
 // out/hf_quant_config.json: {"producer", "quantization": {"quant_algo", "kv_cache_quant_algo":
-//   null, "exclude_modules"}}, exclude_modules summarised with modelopt's prefix wildcards;
+//   null, ("group_size": 16 for NVFP4,) "exclude_modules"}}, exclude_modules summarised with
+//   modelopt's prefix wildcards;
 // out/config.json: the model's config with `quantization_config` (FP8: config_groups with
-//   8-bit float weights and inputs; both: ignore, quant_algo, producer, quant_method "modelopt").
+//   8-bit float weights and inputs, NVFP4: 4-bit float with group_size 16; all: ignore, quant_algo,
+//   producer, quant_method "modelopt").
 // The producer is {"name": "modelopt", "version": "0.47.0 (mdist)"}: the format's name, so
 // that loaders that check it accept the checkpoint, and the version whose format this is.
 //
@@ -31,10 +38,11 @@
 // quantize's sync. Under tensor parallelism the activation amaxes (so input_scale) can differ
 // from one process's in the last bits (the split sums in another order); weights and weight
 // scales do not. Scope, each refused with an Error: expert-parallel models, weights
-// other than fp32 and bf16, layers quantized in another way than the two presets
-// (mixed precision, weight-only), and modelopt's fused-layer preprocessing, which the two
-// presets do not need: FP8 is excluded from it, and INT8's q/k/v and gate/up share one input
-// (so one input amax already) and keep per-row weight scales.
+// other than fp32 and bf16, layers quantized in another way than the presets (mixed
+// precision, weight-only). modelopt's fused-layer preprocessing is reproduced where it changes
+// something: SmoothQuant's shared pre_quant_scale, NVFP4's shared global amaxes; FP8 is
+// excluded from it, and INT8's q/k/v and gate/up share one input (so one input amax already)
+// and keep per-row weight scales.
 #include <filesystem>
 #include <map>
 #include <string>

@@ -50,8 +50,9 @@ struct ResolvedQuantizer {
 struct QuantConfig {
   // modelopt's preset names, lower case, as `mdist quantize --format` will take them:
   // "fp8" (FP8_DEFAULT_CFG), "int8" (INT8_DEFAULT_CFG), "int8_sq" (INT8_SMOOTHQUANT_CFG:
-  // int8's quantizers, algorithm "smoothquant"). Throws InputError naming the known presets
-  // for any other name.
+  // int8's quantizers, algorithm "smoothquant"), "nvfp4" (NVFP4_DEFAULT_CFG: E2M1 weights and
+  // inputs in dynamic blocks of 16 with E4M3 block scales). Throws InputError naming the known
+  // presets for any other name.
   static QuantConfig preset(std::string_view name);
   // The names preset() knows.
   static std::vector<std::string> preset_names();

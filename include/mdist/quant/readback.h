@@ -1,6 +1,6 @@
 #pragma once
 // Reading a quantized checkpoint back as the quantized model it describes (issue 28, item 6):
-// modelopt's unified HF export (FP8, W8A8_SQ_PER_CHANNEL), modelopt's own or
+// modelopt's unified HF export (FP8, W8A8_SQ_PER_CHANNEL, NVFP4), modelopt's own or
 // quant::export_hf_checkpoint's.
 //
 //   hf::ParallelModel built = hf::load_pretrained_fsdp2(dir, options);  // weights dequantized
@@ -11,7 +11,8 @@
 // dequantized (weight x weight_scale): those values are exactly on the quantization grid, so
 // the weight quantizers stay disabled. What remains is the activations: every Linear with an
 // `input_scale` gets its input quantizer in the checkpoint's format (E4M3 for FP8, INT8 per
-// tensor for W8A8_SQ_PER_CHANNEL) with amax = input_scale x maxbound, frozen (no calibration;
+// tensor for W8A8_SQ_PER_CHANNEL, NVFP4's dynamic blocks of 16 for NVFP4) with amax =
+// input_scale x maxbound (NVFP4: x 6 x 448, its global amax), frozen (no calibration;
 // quantize mode), through the same ModelQuantizers hooks quant::quantize installs. A Linear
 // without one (the exclude_modules: lm_head, routers) stays unquantized. A SmoothQuant export
 // (INT8_SMOOTHQUANT_CFG: its weights are smoothed, W / s) also holds `pre_quant_scale` (s) per
@@ -22,7 +23,9 @@
 // The fake-quant loss of the model quant::quantize returned and that of its export read back
 // differ by the export's rounding: the export divides W by the scale where fake quant
 // multiplies by its reciprocal (a few codes one step apart), and amax / maxbound x maxbound is
-// not always amax again in fp32.
+// not always amax again in fp32. NVFP4 adds modelopt's fused-layer rule: q/k/v and gate/up
+// are exported under the group's largest weight amax (one weight_scale_2), so their block
+// scales, and then their codes, can differ from the fake quant's, which uses each layer's own.
 #include <filesystem>
 #include <memory>
 
@@ -35,9 +38,9 @@ namespace mdist::quant {
 // split alike: the input amax is one value per tensor), or null for a checkpoint without
 // quantization. A kv_cache_quant_algo FP8 also puts k/v quantizers (E4M3, amax = k_scale /
 // v_scale x 448, frozen) on every attention: keys and values fake-quantized in every forward,
-// generate's cache included. Throws Error for a quant_algo other than FP8 and
-// W8A8_SQ_PER_CHANNEL, for another KV-cache algorithm, for a missing k/v scale and for a
-// scale that is not one value. Not collective.
+// generate's cache included. Throws Error for a quant_algo other than FP8,
+// W8A8_SQ_PER_CHANNEL and NVFP4, for another KV-cache algorithm, for a missing k/v scale and
+// for a scale that is not one value. Not collective.
 std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& model,
                                                                const std::filesystem::path& dir);
 
