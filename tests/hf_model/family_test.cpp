@@ -114,7 +114,8 @@ TEST_P(FamilyParity, LogitsLossAndGradientsMatchTransformersInFloat32) {
       GetParam().c_str(), logit_error, loss_error, grad_error, followup_error);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, FamilyParity, ::testing::Values("phi3", "olmo2", "gemma2"));
+INSTANTIATE_TEST_SUITE_P(Families, FamilyParity,
+                         ::testing::Values("phi3", "olmo2", "gemma2", "gemma3"));
 
 // The bf16 fixtures: transformers ran the model in bf16 (sdpa). The weights are the same
 // (f16-exact, so bf16-exact here too); the difference is bf16 rounding of kernels that sum in
@@ -155,7 +156,8 @@ TEST_P(Bfloat16Parity, LogitsLossAndGradientsMatchTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, Bfloat16Parity,
-                         ::testing::Values("phi3_bf16", "olmo2_bf16", "gemma2_bf16"));
+                         ::testing::Values("phi3_bf16", "olmo2_bf16", "gemma2_bf16",
+                                           "gemma3_bf16"));
 
 // Greedy generation against transformers' model.generate with its cache (generate.json of
 // make_generate_fixtures.py). phi3: 7-token prompts and 24 new tokens cross
@@ -242,6 +244,28 @@ TEST(FamilyFixtures, Gemma2DependsOnEachOfItsFeatures) {
   EXPECT_GT(error_with([](LlamaConfig& c) { c.scale_embeddings = false; }), 1e-2);
   EXPECT_GT(error_with([](LlamaConfig& c) { c.layer_types.clear(); }), 1e-2);  // both windowed
   EXPECT_GT(error_with([](LlamaConfig& c) { c.sliding_window.reset(); }), 1e-2);
+}
+
+// gemma3: the per-layer-type RoPE (linear scaling and theta 1e6 on the full layer, theta 1e4
+// on the sliding one), the q/k norms and the window each move the logits of real tokens.
+TEST(FamilyFixtures, Gemma3DependsOnEachOfItsFeatures) {
+  const auto fixture = read_fixture(fixture_dir("gemma3"));
+  const auto error_with = [&](auto&& change) {
+    LlamaConfig config = config_of("gemma3");
+    change(config);
+    CausalLM model = loaded(config, fixture);
+    const at::NoGradGuard no_grad;
+    return real_error(model->forward(fixture.at("input_ids"), fixture.at("attention_mask")),
+                      fixture);
+  };
+  EXPECT_LT(error_with([](LlamaConfig&) {}), 1e-5);
+  EXPECT_GT(error_with([](LlamaConfig& c) { c.rope_scaling.reset(); }), 1e-2);
+  EXPECT_GT(error_with([](LlamaConfig& c) { c.sliding_rope_theta.reset(); }), 1e-2);
+  EXPECT_GT(error_with([](LlamaConfig& c) { c.sliding_rope_theta = c.rope_theta; }), 1e-2);
+  EXPECT_GT(error_with([](LlamaConfig& c) { c.sliding_window.reset(); }), 1e-2);
+  EXPECT_GT(error_with([](LlamaConfig& c) { c.query_pre_attn_scalar.reset(); }), 1e-2);
+  // The q/k norms are parameters: a model without them does not load the fixture.
+  EXPECT_THROW(error_with([](LlamaConfig& c) { c.qk_norm = false; }), mdist::Error);
 }
 
 // --- LlamaConfig for Phi-3, OLMo 2 and Gemma -------------------------------------------------
@@ -459,7 +483,7 @@ TEST(FamilyConfig, RefusalsNameWhatIsUnsupported) {
 }
 
 TEST(FamilyConfig, ToJsonRoundTrips) {
-  for (const char* name : {"phi3", "phi3_bf16", "olmo2", "gemma2"}) {
+  for (const char* name : {"phi3", "phi3_bf16", "olmo2", "gemma2", "gemma3"}) {
     const LlamaConfig c = config_of(name);
     const LlamaConfig back = LlamaConfig::from_json(c.to_json());
     EXPECT_EQ(back.to_json(), c.to_json()) << name;

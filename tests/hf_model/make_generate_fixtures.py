@@ -45,8 +45,8 @@ def fixture_tensors(arch):
 
 def load_model(arch):
     config = AutoConfig.from_pretrained(HERE / arch)
-    # Gemma: eager, as its parity fixtures (sdpa cannot soft-cap Gemma 2's scores).
-    config._attn_implementation = "eager" if config.model_type.startswith("gemma") else "sdpa"
+    # Gemma 2: eager, as its parity fixtures (sdpa cannot soft-cap its scores).
+    config._attn_implementation = "eager" if config.model_type == "gemma2" else "sdpa"
     # The MoE fixtures were saved with output_router_logits=True (for their aux_loss); generate
     # needs no aux_loss, and transformers' load-balancing loss fails on a cached step's shapes.
     config.output_router_logits = False
