@@ -166,6 +166,43 @@ TEST_F(MdistFamilies, TensorParallelismIsRefusedNamingTheModule) {
   }
 }
 
+// Gemma configs mdist cannot run: one line from rank 0 naming the key, exit code 2, nothing
+// written.
+TEST_F(MdistFamilies, UnsupportedGemmaConfigsAreOneLineAndWriteNothing) {
+  const std::string common =
+      R"("hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256)";
+  const struct {
+    std::string name, config, message;
+  } cases[] = {
+      {"bidirectional",
+       R"({"architectures": ["Gemma3ForCausalLM"], )" + common +
+           R"(, "use_bidirectional_attention": true})",
+       "use_bidirectional_attention=true is not supported for Gemma3ForCausalLM"},
+      {"activation",
+       R"({"architectures": ["Gemma2ForCausalLM"], )" + common +
+           R"(, "hidden_activation": "gelu"})",
+       "unsupported hidden_activation 'gelu' for Gemma2ForCausalLM"},
+      {"flat-rope",
+       R"({"architectures": ["Gemma3ForCausalLM"], )" + common +
+           R"(, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})",
+       "rope_parameters of Gemma3ForCausalLM must be one object per layer type"},
+  };
+  for (const auto& c : cases) {
+    const auto dir = dir_ / ("bad-" + c.name);
+    fs::create_directories(dir);
+    std::ofstream(dir / "config.json") << c.config << "\n";
+    const auto out = dir_ / ("bad-" + c.name + "-out");
+    const RunResult r =
+        mdist(2, train_args({"--model", dir.string(), "--steps", "1", "--out", out.string()}));
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist train: error: model directory")) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << describe(r);
+    EXPECT_EQ(error_lines(r.err), 1) << describe(r);
+    EXPECT_FALSE(fs::exists(out)) << c.name;
+  }
+}
+
 // Calibration records every Linear under its module name, as modelopt names its quantizers:
 // Phi-3's fused projections are one Linear each.
 TEST_F(MdistFamilies, CalibrationNamesTheLinearsAsModelopt) {
