@@ -471,13 +471,18 @@ void read_rope(const Json& j, const Family& family, LlamaConfig& c) {
       fail("original_max_position_embeddings must be positive");
     }
   }
-  if (c.rope_scaling && c.rope_scaling->rope_type == "longrope") {
+  // Gemma 3's sliding layers have their own rope object.
+  const std::string sliding_key = "rope_parameters['sliding_attention']";
+  for (const auto& [scaling, name] :
+       {std::pair{&c.rope_scaling, family.gemma3 ? "rope_parameters['full_attention']" : key},
+        std::pair{&c.sliding_rope_scaling, sliding_key.c_str()}}) {
+    if (!*scaling || (*scaling)->rope_type != "longrope") continue;
     const std::size_t frequencies = static_cast<std::size_t>(rotary / 2);
-    for (const auto* factors : {&c.rope_scaling->short_factor, &c.rope_scaling->long_factor}) {
+    for (const auto* factors : {&(*scaling)->short_factor, &(*scaling)->long_factor}) {
       if (factors->size() != frequencies) {
-        fail(std::string(key) + " '" +
-             (factors == &c.rope_scaling->short_factor ? "short_factor" : "long_factor") +
-             "' has " + std::to_string(factors->size()) + " entries, but the rotary dimension " +
+        fail(std::string(name) + " '" +
+             (factors == &(*scaling)->short_factor ? "short_factor" : "long_factor") + "' has " +
+             std::to_string(factors->size()) + " entries, but the rotary dimension " +
              std::to_string(rotary) + " needs " + std::to_string(frequencies));
       }
     }

@@ -395,6 +395,13 @@ TEST(FamilyConfig, GemmaRefusalsNameWhatIsUnsupported) {
               }),
               HasSubstr("unsupported rope_parameters['sliding_attention'] type 'ntk'"));
   EXPECT_THAT(error_of([] {
+                LlamaConfig::from_json(config_json("Gemma3ForCausalLM", R"(, "head_dim": 8,
+                    "rope_parameters": {"sliding_attention": {"rope_type": "longrope",
+                    "short_factor": [1, 1], "long_factor": [2, 2, 2, 2]}})"));
+              }),
+              HasSubstr("rope_parameters['sliding_attention'] 'short_factor' has 2 entries, but "
+                        "the rotary dimension 8 needs 4"));
+  EXPECT_THAT(error_of([] {
                 LlamaConfig::from_json(
                     config_json("Gemma2ForCausalLM", R"(, "attn_logit_softcapping": 0)"));
               }),
