@@ -2,6 +2,7 @@
 #include "mdist/hf/causal_lm.h"
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numbers>
 #include <optional>
@@ -68,14 +69,19 @@ std::string shape_of(const at::Tensor& t) {
 
 }  // namespace
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, c10::Device device, bool weight_in_fp32_)
-    : eps(eps_), weight_in_fp32(weight_in_fp32_) {
-  weight = register_parameter("weight", torch::ones({dim}, torch::TensorOptions().device(device)));
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, c10::Device device, bool weight_in_fp32_,
+                         bool unit_offset_)
+    : eps(eps_), weight_in_fp32(weight_in_fp32_), unit_offset(unit_offset_) {
+  // The identity at initialisation: weight 1, or 0 under the (1 + weight) of Gemma.
+  const auto options = torch::TensorOptions().device(device);
+  weight = register_parameter(
+      "weight", unit_offset ? torch::zeros({dim}, options) : torch::ones({dim}, options));
 }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   const at::Tensor h = x.to(at::kFloat);
   const at::Tensor normed = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  if (unit_offset) return (normed * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
   if (weight_in_fp32) return (weight * normed).to(x.scalar_type());
   return weight * normed.to(x.scalar_type());
 }
@@ -83,7 +89,30 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
 namespace {
 
 RMSNorm rms_norm(int64_t dim, const LlamaConfig& c, c10::Device device) {
-  return RMSNorm(dim, c.rms_norm_eps, device, c.fp32_norm_weight_and_rotary);
+  return RMSNorm(dim, c.rms_norm_eps, device, c.fp32_norm_weight_and_rotary, c.norm_unit_offset);
+}
+
+// transformers' eager attention, which the soft-capped scores need (scaled_dot_product_attention
+// has no hook between the product and the softmax): scores = q k^T * scale, then
+// tanh(scores / cap) * cap, then the mask (bool [B, 1, T, K], true where allowed; undefined:
+// causal when `causal`, else every key), softmax in fp32 cast back, times v. q [B, H, T, D],
+// k and v [B, H, K, D] (already repeated to H heads).
+at::Tensor softcapped_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& mask, bool causal, double scale, double cap) {
+  at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
+  scores = at::tanh(scores / cap) * cap;
+  at::Tensor allowed = mask;
+  if (!allowed.defined() && causal) {
+    const int64_t time = q.size(2), keys = k.size(2);
+    allowed = at::ones({time, keys}, q.options().dtype(at::kBool)).tril(keys - time);
+  }
+  if (allowed.defined()) {
+    // -inf where transformers adds the dtype's lowest value: both give a weight of exactly 0
+    // (no row is fully masked: DecoderModel lets such rows see every key).
+    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  }
+  const at::Tensor weights = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  return at::matmul(weights, v);
 }
 
 }  // namespace
@@ -92,7 +121,13 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c, c10::Device device)
     : qk_norm_full_width(c.qk_norm_full_width),
       heads(c.num_attention_heads),
       kv_heads(c.num_key_value_heads),
-      head_dim(c.head_dim) {
+      head_dim(c.head_dim),
+      // Gemma's query_pre_attn_scalar ** -0.5, as Python computes it; none:
+      // scaled_dot_product_attention's default 1 / sqrt(head_dim).
+      scale(c.query_pre_attn_scalar
+                ? std::optional(std::pow(static_cast<double>(*c.query_pre_attn_scalar), -0.5))
+                : std::nullopt),
+      softcap(c.attn_logit_softcapping) {
   if (c.fused_projections) {
     qkv_proj = register_module(
         "qkv_proj", linear(c.hidden_size, (heads + 2 * kv_heads) * head_dim, c.qkv_bias, device));
@@ -149,11 +184,19 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
   v = mdist::nn::call(v_bmm, v);
   const int64_t repeats = heads / kv_heads;
   at::Tensor out;
-  if (cache == nullptr) {
+  if (softcap) {
+    // Without a mask: causal when the cache was empty (or there is none), else every key
+    // (DecoderModel leaves the mask out after cached keys only for one query).
+    const bool causal = cache == nullptr || cache->length() == 0;
+    if (cache != nullptr) std::tie(k, v) = cache->append(k, v);
+    out = softcapped_attention(q, repeat_kv(k, repeats), repeat_kv(v, repeats), mask, causal,
+                               scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim))),
+                               *softcap);
+  } else if (cache == nullptr) {
     k = repeat_kv(k, repeats);
     v = repeat_kv(v, repeats);
-    out = mask.defined() ? at::scaled_dot_product_attention(q, k, v, mask, 0.0, false)
-                         : at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+    out = mask.defined() ? at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale)
+                         : at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, scale);
   } else {
     // Cached as transformers caches: after RoPE, before the grouped-query repeat.
     std::tie(k, v) = cache->append(k, v);
@@ -173,19 +216,20 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
     if (causal && repeats > 1 && time > 1) {  // stacked queries are not one causal triangle
       k = repeat_kv(k, repeats);
       v = repeat_kv(v, repeats);
-      out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+      out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, scale);
     } else {
       // An undefined tensor is not "no mask" to scaled_dot_product_attention: nullopt is.
       const std::optional<at::Tensor> no_or_mask =
           grouped_mask.defined() ? std::optional<at::Tensor>(grouped_mask) : std::nullopt;
-      out = at::scaled_dot_product_attention(grouped, k, v, no_or_mask, 0.0, causal)
+      out = at::scaled_dot_product_attention(grouped, k, v, no_or_mask, 0.0, causal, scale)
                 .reshape({batch, heads, time, head_dim});
     }
   }
   return mdist::nn::call(o_proj, out.transpose(1, 2).reshape({batch, time, heads * head_dim}));
 }
 
-MLPImpl::MLPImpl(const LlamaConfig& c, c10::Device device) {
+MLPImpl::MLPImpl(const LlamaConfig& c, c10::Device device)
+    : gelu_tanh(c.hidden_act == "gelu_pytorch_tanh") {
   if (c.fused_projections) {
     gate_up_proj = register_module(
         "gate_up_proj", linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, device));
@@ -213,8 +257,9 @@ at::Tensor MLPImpl::forward(const at::Tensor& x) {
     const auto halves = mdist::nn::call(gate_up_proj, x).chunk(2, -1);
     return mdist::nn::call(down_proj, halves[1] * torch::silu(halves[0]));
   }
-  return mdist::nn::call(down_proj,
-                         torch::silu(mdist::nn::call(gate_proj, x)) * mdist::nn::call(up_proj, x));
+  const at::Tensor gate = mdist::nn::call(gate_proj, x);
+  const at::Tensor activated = gelu_tanh ? at::gelu(gate, "tanh") : torch::silu(gate);
+  return mdist::nn::call(down_proj, activated * mdist::nn::call(up_proj, x));
 }
 
 GroupedExpertsImpl::GroupedExpertsImpl(std::vector<MLP> experts_) : experts(std::move(experts_)) {}
@@ -326,7 +371,11 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c, c10::Device device, int
   }
   post_attention_layernorm =
       register_module("post_attention_layernorm", rms_norm(c.hidden_size, c, device));
-  if (c.post_norms) {
+  if (c.sandwich_norms) {
+    pre_feedforward_layernorm =
+        register_module("pre_feedforward_layernorm", rms_norm(c.hidden_size, c, device));
+  }
+  if (c.post_norms || c.sandwich_norms) {
     post_feedforward_layernorm =
         register_module("post_feedforward_layernorm", rms_norm(c.hidden_size, c, device));
   }
@@ -335,6 +384,14 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c, c10::Device device, int
 at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos,
                                      const at::Tensor& sin, const at::Tensor& mask,
                                      LayerKvCache* cache) {
+  if (pre_feedforward_layernorm) {  // Gemma: every sub-layer between two norms
+    const at::Tensor attended =
+        mdist::nn::call(self_attn, mdist::nn::call(input_layernorm, x), cos, sin, mask, cache);
+    const at::Tensor h = x + mdist::nn::call(post_attention_layernorm, attended);
+    const at::Tensor normed = mdist::nn::call(pre_feedforward_layernorm, h);
+    const at::Tensor out = moe ? mdist::nn::call(moe, normed) : mdist::nn::call(mlp, normed);
+    return h + mdist::nn::call(post_feedforward_layernorm, out);
+  }
   if (post_feedforward_layernorm) {  // OLMo 2: each sub-layer's output normalised, then added
     const at::Tensor h = x + mdist::nn::call(post_attention_layernorm,
                                              mdist::nn::call(self_attn, x, cos, sin, mask, cache));
@@ -349,6 +406,8 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos,
 
 DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c, c10::Device device)
     : rotary(c), rotary_in_fp32(c.fp32_norm_weight_and_rotary) {
+  if (c.sliding_rope_theta) sliding_rotary.emplace(c.sliding_rope_config());
+  if (c.scale_embeddings) embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
   auto options = torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size);
   if (c.pad_token_id) options.padding_idx(*c.pad_token_id);  // as HF: no gradient for it
   embed_tokens = register_module("embed_tokens", embedding(options, device));
@@ -356,6 +415,9 @@ DecoderModelImpl::DecoderModelImpl(const LlamaConfig& c, c10::Device device)
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     decoder_layers.emplace_back(c, device, i);
     windows.push_back(c.window_of(i));
+    sliding_rope_layers.push_back(sliding_rotary && !c.layer_types.empty() &&
+                                  c.layer_types.at(static_cast<std::size_t>(i)) ==
+                                      LayerType::kSlidingAttention);
     layers->push_back(decoder_layers.back());
   }
   norm = register_module("norm", rms_norm(c.hidden_size, c, device));
@@ -382,6 +444,10 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
                 (past > 0 ? " after " + std::to_string(past) + " cached positions" : ""));
   }
   at::Tensor h = mdist::nn::call(embed_tokens, input_ids);
+  if (embed_scale) {
+    // transformers' 0-dim fp32 buffer, cast to the embeddings' dtype before the product.
+    h = h * at::scalar_tensor(*embed_scale, h.options().dtype(at::kFloat)).to(h.scalar_type());
+  }
 
   // Rotary tables [B, T, rotary dim] as transformers' (mdist/hf/rotary.h).
   at::Tensor positions =
@@ -389,8 +455,13 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
           ? position_ids
           : torch::arange(past, keys, torch::TensorOptions().dtype(at::kLong).device(device));
   if (positions.dim() == 1) positions = positions.unsqueeze(0);
-  const auto [cos, sin] = rotary.cos_sin(positions.expand({batch, time}),
-                                         rotary_in_fp32 ? at::kFloat : h.scalar_type());
+  const auto table_dtype = rotary_in_fp32 ? at::kFloat : h.scalar_type();
+  const auto [cos, sin] = rotary.cos_sin(positions.expand({batch, time}), table_dtype);
+  at::Tensor sliding_cos, sliding_sin;  // Gemma 3's sliding layers
+  if (sliding_rotary) {
+    std::tie(sliding_cos, sliding_sin) =
+        sliding_rotary->cos_sin(positions.expand({batch, time}), table_dtype);
+  }
 
   // Packed sequences, as transformers' training detects them (masking_utils'
   // find_packed_sequence_indices): with position ids, no attention mask and no cache, a row
@@ -443,12 +514,16 @@ at::Tensor DecoderModelImpl::forward(const at::Tensor& input_ids, const at::Tens
   }
 
   for (std::size_t i = 0; i < decoder_layers.size(); ++i) {
+    const bool local = sliding_rope_layers[i];
+    const at::Tensor& layer_cos = local ? sliding_cos : cos;
+    const at::Tensor& layer_sin = local ? sliding_sin : sin;
     if (cache == nullptr && i < checkpointed_layers.size() && checkpointed_layers[i]) {
-      h = checkpointed_layer(i, h, cos, sin, masks.at(windows[i]));
+      h = checkpointed_layer(i, h, layer_cos, layer_sin, masks.at(windows[i]));
       continue;
     }
     LayerKvCache* layer_cache = cache != nullptr ? &cache->layer(static_cast<int64_t>(i)) : nullptr;
-    h = mdist::nn::call(decoder_layers[i], h, cos, sin, masks.at(windows[i]), layer_cache);
+    h = mdist::nn::call(decoder_layers[i], h, layer_cos, layer_sin, masks.at(windows[i]),
+                        layer_cache);
   }
   return mdist::nn::call(norm, h);
 }
@@ -492,8 +567,12 @@ at::Tensor CausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& 
 at::Tensor CausalLMImpl::body(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                               const at::Tensor& position_ids, KvCache* cache) {
   const at::Tensor h = mdist::nn::call(model, input_ids, attention_mask, position_ids, cache);
-  if (lm_head) return mdist::nn::call(lm_head, h);
-  return at::linear(h, model->embed_tokens->weight);
+  const at::Tensor logits =
+      lm_head ? mdist::nn::call(lm_head, h) : at::linear(h, model->embed_tokens->weight);
+  if (!config.final_logit_softcapping) return logits;
+  // Gemma 2: tanh(logits / cap) * cap, elementwise (so also on a rank's vocabulary slice).
+  const double cap = *config.final_logit_softcapping;
+  return at::tanh(logits / cap) * cap;
 }
 
 at::Tensor CausalLMImpl::output_weight() const {

@@ -45,13 +45,14 @@ T optional_as(const Json& j, const char* key, T fallback) {
 
 constexpr const char* kSupported =
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-    "Phi3ForCausalLM, Olmo2ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
-    "MixtralForCausalLM";
+    "Phi3ForCausalLM, Olmo2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
+    "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM";
 
 bool supported(const std::string& architecture) {
-  for (const char* name : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
-                           "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"}) {
+  for (const char* name :
+       {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "Phi3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+        "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"}) {
     if (architecture == name) return true;
   }
   return false;
@@ -72,6 +73,8 @@ std::string architecture_of(const Json& j, std::vector<std::string>& architectur
   if (model_type == "qwen3") return "Qwen3ForCausalLM";
   if (model_type == "phi3") return "Phi3ForCausalLM";
   if (model_type == "olmo2") return "Olmo2ForCausalLM";
+  if (model_type == "gemma2") return "Gemma2ForCausalLM";
+  if (model_type == "gemma3_text") return "Gemma3ForCausalLM";
   if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
   if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
   if (model_type == "mixtral") return "MixtralForCausalLM";
@@ -232,6 +235,9 @@ struct Family {
   bool mistral = false;  // Mistral, Mixtral
   bool phi3 = false;     // Phi-3, Phi-3.5, Phi-4
   bool olmo2 = false;
+  bool gemma2 = false;
+  bool gemma3 = false;  // Gemma 3 text
+  bool gemma = false;   // either
 };
 
 Family family_of(const std::string& architecture) {
@@ -243,6 +249,9 @@ Family family_of(const std::string& architecture) {
   f.mistral = f.mixtral || architecture == "MistralForCausalLM";
   f.phi3 = architecture == "Phi3ForCausalLM";
   f.olmo2 = architecture == "Olmo2ForCausalLM";
+  f.gemma2 = architecture == "Gemma2ForCausalLM";
+  f.gemma3 = architecture == "Gemma3ForCausalLM";
+  f.gemma = f.gemma2 || f.gemma3;
   return f;
 }
 
@@ -268,6 +277,7 @@ void read_sizes(const Json& j, const Family& family, LlamaConfig& c) {
                                    : family.qwen2_moe                      ? 16
                                    : family.qwen                           ? 32
                                    : family.mistral                        ? 8
+                                   : family.gemma                          ? 4
                                                                            : c.num_attention_heads;
   c.num_key_value_heads =
       j.contains("num_key_value_heads")
@@ -284,14 +294,17 @@ void read_sizes(const Json& j, const Family& family, LlamaConfig& c) {
          " is not a multiple of num_key_value_heads " + std::to_string(c.num_key_value_heads));
   }
   // LlamaConfig.validate_architecture refuses a hidden size the heads do not divide, even with
-  // an explicit head_dim; Qwen2, Qwen3 and Mistral accept it (head_dim = hidden // heads).
-  if (c.architecture == "LlamaForCausalLM" && c.hidden_size % c.num_attention_heads != 0) {
+  // an explicit head_dim (so do Gemma2Config and Gemma3TextConfig); Qwen2, Qwen3 and Mistral
+  // accept it (head_dim = hidden // heads).
+  if ((c.architecture == "LlamaForCausalLM" || family.gemma) &&
+      c.hidden_size % c.num_attention_heads != 0) {
     fail("the hidden size (" + std::to_string(c.hidden_size) +
          ") is not a multiple of the number of attention heads (" +
          std::to_string(c.num_attention_heads) + ")");
   }
-  const int64_t default_head_dim =
-      c.architecture == "Qwen3ForCausalLM" ? 128 : c.hidden_size / c.num_attention_heads;
+  const int64_t default_head_dim = c.architecture == "Qwen3ForCausalLM" ? 128
+                                   : family.gemma                       ? 256
+                                                  : c.hidden_size / c.num_attention_heads;
   c.head_dim = optional_as<int64_t>(j, "head_dim", default_head_dim);
   if (c.head_dim <= 0) fail("head_dim " + std::to_string(c.head_dim) + " must be positive");
   if (c.head_dim % 2 != 0) {
@@ -305,16 +318,18 @@ void read_model_settings(const Json& j, const Family& family, LlamaConfig& c) {
                                                    family.qwen      ? 32768
                                                    : family.mistral ? 131072
                                                    : family.phi3    ? 4096
+                                                   : family.gemma2  ? 8192
+                                                   : family.gemma3  ? 131072
                                                                     : 2048);
   if (c.max_position_embeddings <= 0) fail("max_position_embeddings must be positive");
   c.rms_norm_eps =
       optional_as<double>(j, "rms_norm_eps", family.phi3 || family.olmo2 ? 1e-5 : 1e-6);
-  c.tie_word_embeddings = optional_as<bool>(j, "tie_word_embeddings", false);
-  // Phi3Config and Olmo2Config default pad_token_id to 32000 and 1 (the others to none); a
-  // null in config.json is none for every family.
+  c.tie_word_embeddings = optional_as<bool>(j, "tie_word_embeddings", family.gemma);
+  // Phi3Config, Olmo2Config and the Gemma configs default pad_token_id to 32000, 1 and 0 (the
+  // others to none); a null in config.json is none for every family.
   const auto pad = j.find("pad_token_id");
-  if (pad == j.end() && (family.phi3 || family.olmo2)) {
-    c.pad_token_id = family.phi3 ? 32000 : 1;
+  if (pad == j.end() && (family.phi3 || family.olmo2 || family.gemma)) {
+    c.pad_token_id = family.phi3 ? 32000 : family.olmo2 ? 1 : 0;
     if (*c.pad_token_id >= c.vocab_size) {
       fail("pad_token_id defaults to " + std::to_string(*c.pad_token_id) + " for " +
            c.architecture + ", outside the vocabulary of " + std::to_string(c.vocab_size) +
@@ -326,9 +341,19 @@ void read_model_settings(const Json& j, const Family& family, LlamaConfig& c) {
       fail("pad_token_id " + std::to_string(*c.pad_token_id) + " is outside the vocabulary");
     }
   }
-  c.hidden_act = optional_as<std::string>(j, "hidden_act", "silu");
-  if (c.hidden_act != "silu")
-    fail("unsupported hidden_act '" + c.hidden_act + "' (supported: silu)");
+  if (family.gemma) {
+    // Gemma's MLP reads hidden_activation (a hidden_act beside it, as in Gemma 2's published
+    // configs, is not used).
+    c.hidden_act = optional_as<std::string>(j, "hidden_activation", "gelu_pytorch_tanh");
+    if (c.hidden_act != "gelu_pytorch_tanh") {
+      fail("unsupported hidden_activation '" + c.hidden_act + "' for " + c.architecture +
+           " (supported: gelu_pytorch_tanh)");
+    }
+  } else {
+    c.hidden_act = optional_as<std::string>(j, "hidden_act", "silu");
+    if (c.hidden_act != "silu")
+      fail("unsupported hidden_act '" + c.hidden_act + "' (supported: silu)");
+  }
   c.torch_dtype = optional_as<std::string>(j, "torch_dtype", "");
   if (c.torch_dtype.empty()) c.torch_dtype = optional_as<std::string>(j, "dtype", "float32");
 }
@@ -356,19 +381,66 @@ void phi3_rope(Json& rope) {
 
 // RoPE: theta and partial_rotary_factor from the rope object, else from the top level (as
 // transformers' convert_rope_params_to_dict moves them in), else the config class's default.
+// Gemma3TextConfig.convert_rope_params_to_dict: one rope object per layer type
+// ("rope_parameters": {"full_attention": {...}, "sliding_attention": {...}}, a null or absent
+// one meaning plain RoPE), transformers 4's "rope_scaling" merged over the full-attention one,
+// theta from the object, else "rope_theta" (full; default 1e6) or "rope_local_base_freq"
+// (sliding; default 1e4).
+void read_gemma3_rope(const Json& j, LlamaConfig& c) {
+  Json full = Json::object(), sliding = Json::object();
+  if (const auto it = j.find("rope_parameters"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) fail("key 'rope_parameters' is not an object");
+    for (const auto& [type, value] : it->items()) {
+      if (type != "full_attention" && type != "sliding_attention") {
+        fail("rope_parameters of " + c.architecture +
+             " must be one object per layer type (full_attention, sliding_attention), not '" +
+             type + "'");
+      }
+      if (!value.is_null() && !value.is_object()) {
+        fail("rope_parameters '" + type + "' is not an object");
+      }
+      if (value.is_object()) (type == "full_attention" ? full : sliding) = value;
+    }
+  }
+  if (const auto it = j.find("rope_scaling"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) fail("key 'rope_scaling' is not an object");
+    for (const auto& [key, value] : it->items()) full[key] = value;
+  }
+  const double top_partial = optional_as<double>(j, "partial_rotary_factor", 1.0);
+  c.partial_rotary_factor = optional_as<double>(full, "partial_rotary_factor", top_partial);
+  if (optional_as<double>(sliding, "partial_rotary_factor", top_partial) != 1.0) {
+    c.partial_rotary_factor = optional_as<double>(sliding, "partial_rotary_factor", top_partial);
+  }
+  c.rope_theta =
+      optional_as<double>(full, "rope_theta", optional_as<double>(j, "rope_theta", 1000000.0));
+  c.sliding_rope_theta = optional_as<double>(
+      sliding, "rope_theta", optional_as<double>(j, "rope_local_base_freq", 10000.0));
+  if (!(*c.sliding_rope_theta > 0)) fail("the sliding layers' rope_theta must be positive");
+  full.erase("rope_theta");
+  sliding.erase("rope_theta");
+  c.rope_scaling = parse_rope(full, "rope_parameters['full_attention']", c.max_position_embeddings);
+  c.sliding_rope_scaling =
+      parse_rope(sliding, "rope_parameters['sliding_attention']", c.max_position_embeddings);
+}
+
 void read_rope(const Json& j, const Family& family, LlamaConfig& c) {
   const char* key = rope_key(j);
-  const auto it = j.find(key);
-  Json rope = it == j.end() ? Json() : *it;
-  if (family.phi3 && rope.is_object()) phi3_rope(rope);
-  const double default_theta = family.mixtral ? 1000000.0 : 10000.0;  // MixtralConfig's
-  const double top_theta = optional_as<double>(j, "rope_theta", default_theta);
-  const double top_partial = optional_as<double>(j, "partial_rotary_factor", 1.0);
-  c.rope_theta = rope.is_object() ? optional_as<double>(rope, "rope_theta", top_theta) : top_theta;
-  c.partial_rotary_factor = rope.is_object()
-                                ? optional_as<double>(rope, "partial_rotary_factor", top_partial)
-                                : top_partial;
-  c.rope_scaling = parse_rope(rope, key, c.max_position_embeddings);
+  if (family.gemma3) {
+    read_gemma3_rope(j, c);
+  } else {
+    const auto it = j.find(key);
+    Json rope = it == j.end() ? Json() : *it;
+    if (family.phi3 && rope.is_object()) phi3_rope(rope);
+    const double default_theta = family.mixtral ? 1000000.0 : 10000.0;  // MixtralConfig's
+    const double top_theta = optional_as<double>(j, "rope_theta", default_theta);
+    const double top_partial = optional_as<double>(j, "partial_rotary_factor", 1.0);
+    c.rope_theta =
+        rope.is_object() ? optional_as<double>(rope, "rope_theta", top_theta) : top_theta;
+    c.partial_rotary_factor = rope.is_object()
+                                  ? optional_as<double>(rope, "partial_rotary_factor", top_partial)
+                                  : top_partial;
+    c.rope_scaling = parse_rope(rope, key, c.max_position_embeddings);
+  }
   if (!(c.rope_theta > 0)) fail("rope_theta must be positive");
   if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1)) {
     fail("partial_rotary_factor must be in (0, 1]");
@@ -399,13 +471,18 @@ void read_rope(const Json& j, const Family& family, LlamaConfig& c) {
       fail("original_max_position_embeddings must be positive");
     }
   }
-  if (c.rope_scaling && c.rope_scaling->rope_type == "longrope") {
+  // Gemma 3's sliding layers have their own rope object.
+  const std::string sliding_key = "rope_parameters['sliding_attention']";
+  for (const auto& [scaling, name] :
+       {std::pair{&c.rope_scaling, family.gemma3 ? "rope_parameters['full_attention']" : key},
+        std::pair{&c.sliding_rope_scaling, sliding_key.c_str()}}) {
+    if (!*scaling || (*scaling)->rope_type != "longrope") continue;
     const std::size_t frequencies = static_cast<std::size_t>(rotary / 2);
-    for (const auto* factors : {&c.rope_scaling->short_factor, &c.rope_scaling->long_factor}) {
+    for (const auto* factors : {&(*scaling)->short_factor, &(*scaling)->long_factor}) {
       if (factors->size() != frequencies) {
-        fail(std::string(key) + " '" +
-             (factors == &c.rope_scaling->short_factor ? "short_factor" : "long_factor") +
-             "' has " + std::to_string(factors->size()) + " entries, but the rotary dimension " +
+        fail(std::string(name) + " '" +
+             (factors == &(*scaling)->short_factor ? "short_factor" : "long_factor") + "' has " +
+             std::to_string(factors->size()) + " entries, but the rotary dimension " +
              std::to_string(rotary) + " needs " + std::to_string(frequencies));
       }
     }
@@ -432,6 +509,39 @@ void read_biases(const Json& j, const Family& family, LlamaConfig& c) {
     c.qk_norm = c.qk_norm_full_width = true;
     c.post_norms = true;
     c.fp32_norm_weight_and_rotary = true;
+  } else if (family.gemma) {
+    c.qkv_bias = c.o_bias = attention_bias;
+    c.qk_norm = family.gemma3;  // per head
+    c.sandwich_norms = c.norm_unit_offset = c.scale_embeddings = true;
+  }
+}
+
+// A soft-capping value: null is none, a number must be positive.
+std::optional<double> softcap(const Json& j, const char* key, std::optional<double> fallback) {
+  const auto it = j.find(key);
+  if (it == j.end()) return fallback;
+  if (it->is_null()) return std::nullopt;
+  const auto cap = get_as<double>(*it, key);
+  if (!(cap > 0)) fail(std::string(key) + " must be positive (or null)");
+  return cap;
+}
+
+// Gemma's attention scale and soft-capping (Gemma 2 caps by default, Gemma 3 does not).
+void read_gemma_attention(const Json& j, const Family& family, LlamaConfig& c) {
+  if (!family.gemma) return;
+  if (const auto it = j.find("query_pre_attn_scalar");
+      it != j.end() && !it->is_null() && !it->is_number_integer()) {
+    fail("query_pre_attn_scalar must be an integer, got " + it->dump());
+  }
+  c.query_pre_attn_scalar = optional_as<int64_t>(j, "query_pre_attn_scalar", 256);
+  if (!(*c.query_pre_attn_scalar > 0)) fail("query_pre_attn_scalar must be positive");
+  c.attn_logit_softcapping =
+      softcap(j, "attn_logit_softcapping", family.gemma2 ? std::optional(50.0) : std::nullopt);
+  c.final_logit_softcapping =
+      softcap(j, "final_logit_softcapping", family.gemma2 ? std::optional(30.0) : std::nullopt);
+  if (optional_as<bool>(j, "use_bidirectional_attention", false)) {
+    fail("use_bidirectional_attention=true is not supported for " + c.architecture +
+         " (mdist's attention is causal)");
   }
 }
 
@@ -492,6 +602,30 @@ void read_attention_layers(const Json& j, const Family& family, LlamaConfig& c) 
       c.sliding_window = positive_window(*it);
     return;
   }
+  if (family.gemma) {
+    // Gemma2Config / Gemma3TextConfig: a window of 4096 unless given (null: none); without
+    // layer_types every second layer (Gemma 2: 0, 2, ...) or all but every
+    // sliding_window_pattern-th (Gemma 3, default 6: 5 sliding, then 1 full) slides.
+    const auto it = j.find("sliding_window");
+    c.sliding_window = it == j.end() ? std::optional<int64_t>(4096) : positive_window(*it);
+    c.layer_types = given;
+    if (c.layer_types.empty()) {
+      const int64_t pattern =
+          family.gemma2 ? 2 : optional_as<int64_t>(j, "sliding_window_pattern", 6);
+      if (pattern <= 0) fail("sliding_window_pattern must be positive");
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+        c.layer_types.push_back((i + 1) % pattern != 0 ? LayerType::kSlidingAttention
+                                                       : LayerType::kFullAttention);
+      }
+    }
+    for (std::size_t i = 0; i < c.layer_types.size(); ++i) {
+      if (c.layer_types[i] == LayerType::kSlidingAttention && !c.sliding_window) {
+        fail("layer_types makes layer " + std::to_string(i) +
+             " sliding_attention, but sliding_window is null");
+      }
+    }
+    return;
+  }
   if (!family.qwen) {  // Llama, OLMo 2: no window
     if (optional_as<bool>(j, "use_sliding_window", false)) {
       fail("use_sliding_window=true is not supported for " + c.architecture);
@@ -527,6 +661,44 @@ void read_attention_layers(const Json& j, const Family& family, LlamaConfig& c) 
   }
 }
 
+// A rope object: `rope`'s keys that RopeScaling does not model, with `scaling`'s (none: no
+// scaling keys). Theta and the partial factor are the caller's.
+Json rope_json(Json rope, const std::optional<RopeScaling>& scaling) {
+  for (const char* known :
+       {"type", "rope_type", "factor", "low_freq_factor", "high_freq_factor", "attention_factor",
+        "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "short_factor",
+        "long_factor", "rope_theta", "partial_rotary_factor"}) {
+    rope.erase(known);
+  }
+  if (scaling) {
+    const RopeScaling& r = *scaling;
+    rope["rope_type"] = r.rope_type;
+    if (r.factor) rope["factor"] = *r.factor;
+    // linear and dynamic do not use it: a source's value stays as it was.
+    if (r.rope_type == "llama3" || r.rope_type == "yarn" || r.rope_type == "longrope") {
+      rope["original_max_position_embeddings"] = r.original_max_position_embeddings;
+    }
+    if (r.rope_type == "llama3") {
+      rope["low_freq_factor"] = r.low_freq_factor;
+      rope["high_freq_factor"] = r.high_freq_factor;
+    }
+    const auto put = [&](const char* name, const auto& value) {
+      if (value) rope[name] = *value;
+    };
+    put("attention_factor", r.attention_factor);
+    put("beta_fast", r.beta_fast);
+    put("beta_slow", r.beta_slow);
+    put("mscale", r.mscale);
+    put("mscale_all_dim", r.mscale_all_dim);
+    put("truncate", r.truncate);
+    if (r.rope_type == "longrope") {
+      rope["short_factor"] = r.short_factor;
+      rope["long_factor"] = r.long_factor;
+    }
+  }
+  return rope;
+}
+
 }  // namespace
 
 // The steps run in a fixed order, so that a config with several problems always reports the
@@ -549,6 +721,7 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   read_rope(j, family, c);
   read_biases(j, family, c);
   read_attention_layers(j, family, c);
+  read_gemma_attention(j, family, c);
   if (c.architecture == "Qwen3MoeForCausalLM" || family.qwen2_moe || family.mixtral) {
     c.moe = parse_moe(j, c);
   }
@@ -568,6 +741,15 @@ std::optional<int64_t> LlamaConfig::window_of(int64_t layer) const {
   const bool sliding =
       layer_types.at(static_cast<std::size_t>(layer)) == LayerType::kSlidingAttention;
   return sliding ? sliding_window : std::nullopt;
+}
+
+LlamaConfig LlamaConfig::sliding_rope_config() const {
+  LlamaConfig sliding = *this;
+  if (sliding_rope_theta) {
+    sliding.rope_theta = *sliding_rope_theta;
+    sliding.rope_scaling = sliding_rope_scaling;
+  }
+  return sliding;
 }
 
 LlamaConfig LlamaConfig::from_file(const std::string& path) {
@@ -600,11 +782,13 @@ std::string LlamaConfig::to_json() const {
   j["vocab_size"] = vocab_size;
   j["rms_norm_eps"] = rms_norm_eps;
   j["pad_token_id"] = pad_token_id ? Json(*pad_token_id) : Json(nullptr);
-  j["hidden_act"] = hidden_act;
+  // Gemma's MLP reads hidden_activation.
+  j[family_of(architecture).gemma ? "hidden_activation" : "hidden_act"] = hidden_act;
   j["tie_word_embeddings"] = tie_word_embeddings;
   j[v5_dtype ? "dtype" : "torch_dtype"] = torch_dtype;
   if (architecture == "LlamaForCausalLM" || architecture == "Qwen3ForCausalLM" ||
-      architecture == "Qwen3MoeForCausalLM" || architecture == "Olmo2ForCausalLM") {
+      architecture == "Qwen3MoeForCausalLM" || architecture == "Olmo2ForCausalLM" ||
+      family_of(architecture).gemma) {
     j["attention_bias"] = qkv_bias;
   }
   if (architecture == "LlamaForCausalLM") j["mlp_bias"] = mlp_bias;
@@ -629,6 +813,19 @@ std::string LlamaConfig::to_json() const {
   if (architecture == "MistralForCausalLM" || architecture == "MixtralForCausalLM" ||
       architecture == "Phi3ForCausalLM") {
     j["sliding_window"] = sliding_window ? Json(*sliding_window) : Json(nullptr);
+  } else if (family_of(architecture).gemma) {
+    j["sliding_window"] = sliding_window ? Json(*sliding_window) : Json(nullptr);
+    std::vector<std::string> names;
+    for (const LayerType type : layer_types) {
+      names.push_back(type == LayerType::kSlidingAttention ? "sliding_attention"
+                                                           : "full_attention");
+    }
+    j["layer_types"] = names;
+    j["query_pre_attn_scalar"] = query_pre_attn_scalar ? Json(*query_pre_attn_scalar) : Json(256);
+    j["attn_logit_softcapping"] =
+        attn_logit_softcapping ? Json(*attn_logit_softcapping) : Json(nullptr);
+    j["final_logit_softcapping"] =
+        final_logit_softcapping ? Json(*final_logit_softcapping) : Json(nullptr);
   } else if (family_of(architecture).qwen) {
     j["use_sliding_window"] = sliding_window.has_value();
     // Without a window the value is unused: keep the source's (Qwen2-MoE saves 0).
@@ -650,38 +847,28 @@ std::string LlamaConfig::to_json() const {
   // The rope object in the spelling it was read in (transformers 4's for a config built in
   // code), keeping the keys this struct does not model.
   const std::string key = rope_key(j);
-  Json rope = j.contains(key) && j.at(key).is_object() ? j.at(key) : Json::object();
-  for (const char* known :
-       {"type", "rope_type", "factor", "low_freq_factor", "high_freq_factor", "attention_factor",
-        "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "short_factor",
-        "long_factor", "rope_theta", "partial_rotary_factor"}) {
-    rope.erase(known);
-  }
-  if (rope_scaling) {
-    const RopeScaling& r = *rope_scaling;
-    rope["rope_type"] = r.rope_type;
-    if (r.factor) rope["factor"] = *r.factor;
-    // linear and dynamic do not use it: a source's value stays as it was.
-    if (r.rope_type == "llama3" || r.rope_type == "yarn" || r.rope_type == "longrope") {
-      rope["original_max_position_embeddings"] = r.original_max_position_embeddings;
-    }
-    if (r.rope_type == "llama3") {
-      rope["low_freq_factor"] = r.low_freq_factor;
-      rope["high_freq_factor"] = r.high_freq_factor;
-    }
-    const auto put = [&](const char* name, const auto& value) {
-      if (value) rope[name] = *value;
+  Json rope = rope_json(j.contains(key) && j.at(key).is_object() ? j.at(key) : Json::object(),
+                        rope_scaling);
+  if (sliding_rope_theta) {
+    // Gemma 3: one object per layer type, transformers 5's spelling whatever was read.
+    const Json source = j.contains("rope_parameters") && j.at("rope_parameters").is_object()
+                            ? j.at("rope_parameters")
+                            : Json::object();
+    const auto of = [&](const char* type, const std::optional<RopeScaling>& scaling, double theta) {
+      Json base =
+          source.contains(type) && source.at(type).is_object() ? source.at(type) : Json::object();
+      Json object = rope_json(std::move(base), scaling);
+      if (!scaling) object["rope_type"] = "default";
+      object["rope_theta"] = theta;
+      return object;
     };
-    put("attention_factor", r.attention_factor);
-    put("beta_fast", r.beta_fast);
-    put("beta_slow", r.beta_slow);
-    put("mscale", r.mscale);
-    put("mscale_all_dim", r.mscale_all_dim);
-    put("truncate", r.truncate);
-    if (r.rope_type == "longrope") {
-      rope["short_factor"] = r.short_factor;
-      rope["long_factor"] = r.long_factor;
-    }
+    j.erase("rope_scaling");
+    j.erase("rope_theta");
+    j.erase("rope_local_base_freq");
+    j["rope_parameters"] = {
+        {"full_attention", of("full_attention", rope_scaling, rope_theta)},
+        {"sliding_attention", of("sliding_attention", sliding_rope_scaling, *sliding_rope_theta)}};
+    return j.dump(2) + "\n";
   }
   j.erase("rope_scaling");
   j.erase("rope_parameters");

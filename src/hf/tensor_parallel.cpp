@@ -424,6 +424,12 @@ std::shared_ptr<const TensorParallelPlan> parallelize(CausalLM& model, const Par
     plan.replicated(prefix + "input_layernorm.weight", layer.input_layernorm->weight);
     plan.replicated(prefix + "post_attention_layernorm.weight",
                     layer.post_attention_layernorm->weight);
+    // Gemma's sandwich norms act on the whole hidden state, as the two above.
+    for (const auto& [name, norm] :
+         {std::pair{"pre_feedforward_layernorm", layer.pre_feedforward_layernorm},
+          std::pair{"post_feedforward_layernorm", layer.post_feedforward_layernorm}}) {
+      if (norm) plan.replicated(prefix + name + ".weight", norm->weight);
+    }
   }
   return std::make_shared<const TensorParallelPlan>(tp, c.vocab_size, std::move(plan.placements),
                                                     split.holds_rank0, std::move(counters));

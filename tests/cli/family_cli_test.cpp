@@ -1,6 +1,7 @@
-// Phi-3 and OLMo 2 through `mdist` end to end (real processes through mdistrun): FSDP2 over 2
-// ranks trains as one process, --tp is refused naming the module that cannot split, and
-// calibration names the Linears as modelopt does (Phi-3's fused qkv_proj and gate_up_proj).
+// Phi-3, OLMo 2, Gemma 2 and Gemma 3 through `mdist` end to end (real processes through
+// mdistrun): FSDP2 over 2 ranks trains as one process, --tp 2 trains Gemma as one process and is
+// refused for Phi-3 and OLMo 2 naming the module that cannot split, and calibration names the
+// Linears as modelopt does (Phi-3's fused qkv_proj and gate_up_proj).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -30,7 +31,10 @@ class MdistFamilies : public MdistCommand {
   // A seeded model directory in dir_/NAME written by mdist's save_pretrained: byte vocabulary,
   // hidden 32, 2 layers. Phi-3: longrope with the pretraining length 16 (the 32-token
   // sequences take the long factors), partial rotary 0.5, a window of 24. OLMo 2: as its
-  // config class, with q/k/v/o bias.
+  // config class, with q/k/v/o bias. Gemma 2: head_dim 16 (not hidden / heads),
+  // query_pre_attn_scalar 12, soft-capping 5 (scores) and 10 (logits), layer 0 sliding (window
+  // 24), tied head. Gemma 3: q/k norms, sliding_window_pattern 2 (layer 0 sliding), linear RoPE
+  // scaling on the full layer and theta 1e4 on the sliding one.
   fs::path model(const std::string& name) {
     const auto config_dir = dir_ / (name + "-config");
     fs::create_directories(config_dir);
@@ -38,15 +42,27 @@ class MdistFamilies : public MdistCommand {
         R"("hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
            "pad_token_id": 0, "max_position_embeddings": 64)";
-    std::ofstream(config_dir / "config.json")
-        << (name == "phi3"
-                ? R"({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", )" + common +
-                      R"(, "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5,
-                      "sliding_window": 24, "rope_scaling": {"type": "longrope",
-                      "short_factor": [1.0, 1.3], "long_factor": [1.5, 6.0]}})"
-                : R"({"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", )" + common +
-                      R"(, "attention_bias": true})")
-        << "\n";
+    const std::string gemma = common + R"(, "head_dim": 16, "query_pre_attn_scalar": 12,
+           "sliding_window": 24)";
+    std::string config;
+    if (name == "phi3") {
+      config = R"({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", )" + common +
+               R"(, "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5,
+               "sliding_window": 24, "rope_scaling": {"type": "longrope",
+               "short_factor": [1.0, 1.3], "long_factor": [1.5, 6.0]}})";
+    } else if (name == "olmo2") {
+      config = R"({"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", )" + common +
+               R"(, "attention_bias": true})";
+    } else if (name == "gemma2") {
+      config = R"({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", )" + gemma +
+               R"(, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0})";
+    } else {
+      config = R"({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", )" + gemma +
+               R"(, "sliding_window_pattern": 2, "rope_parameters": {
+               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}})";
+    }
+    std::ofstream(config_dir / "config.json") << config << "\n";
     const auto out = dir_ / name;
     const auto r =
         mdist::testing::run({MDIST_SAVE_FOR_TRANSFORMERS, config_dir.string(), out.string()});
@@ -59,12 +75,28 @@ class MdistFamilies : public MdistCommand {
     for (const auto& line : metrics(run)) out.push_back(line["loss"].get<double>());
     return out;
   }
+
+  static std::string architecture(const std::string& name) {
+    if (name == "phi3") return "Phi3ForCausalLM";
+    if (name == "olmo2") return "Olmo2ForCausalLM";
+    return name == "gemma2" ? "Gemma2ForCausalLM" : "Gemma3ForCausalLM";
+  }
+
+  // The largest relative difference of two runs' losses (of the same number of steps).
+  static double gap(const std::vector<double>& a, const std::vector<double>& b) {
+    EXPECT_EQ(a.size(), b.size());
+    double worst = 0;
+    for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+      worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(a[i]));
+    }
+    return worst;
+  }
 };
 
 // 5 AdamW steps on 2 ranks (FSDP2: each decoder layer a unit, then the root) give one
 // process's losses (1e-5 relative).
 TEST_F(MdistFamilies, TwoRanksWithFsdp2TrainAsOneProcess) {
-  for (const std::string name : {"phi3", "olmo2"}) {
+  for (const std::string name : {"phi3", "olmo2", "gemma2", "gemma3"}) {
     const auto dir = model(name);
     std::vector<std::vector<double>> runs;
     for (const int ranks : {1, 2}) {
@@ -72,17 +104,38 @@ TEST_F(MdistFamilies, TwoRanksWithFsdp2TrainAsOneProcess) {
       const RunResult r = mdist(
           ranks, train_args({"--model", dir.string(), "--steps", "5", "--out", out.string()}));
       ASSERT_EQ(r.exit_code, 0) << describe(r);
-      EXPECT_THAT(r.out, HasSubstr(name == "phi3" ? "(Phi3ForCausalLM)" : "(Olmo2ForCausalLM)"));
+      EXPECT_THAT(r.out, HasSubstr("(" + architecture(name) + ")"));
       runs.push_back(losses(out));
       ASSERT_EQ(runs.back().size(), 5u) << name;
     }
-    double gap = 0;
-    for (std::size_t i = 0; i < 5; ++i) {
-      gap = std::max(gap, std::abs(runs[0][i] - runs[1][i]) / std::abs(runs[0][i]));
-    }
-    EXPECT_LT(gap, 1e-5) << name;
+    const double worst = gap(runs[0], runs[1]);
+    EXPECT_LT(worst, 1e-5) << name;
     EXPECT_LT(runs[0].back(), runs[0].front()) << name;  // it trains
-    std::cout << name << ": 2 ranks' losses within " << gap << " (relative) of 1 rank's\n";
+    std::cout << name << ": 2 ranks' losses within " << worst << " (relative) of 1 rank's\n";
+  }
+}
+
+// Gemma splits as Llama (q/k/v and gate/up by heads and halves, o and down by rows, the
+// sandwich norms replicated, Gemma 3's per-head q/k norms on each rank's heads; the logit
+// soft-capping is elementwise, so it applies to each rank's vocabulary slice): 5 steps with
+// --tp 2 give one process's losses (1e-5 relative).
+TEST_F(MdistFamilies, GemmaWithTensorParallelismTrainsAsOneProcess) {
+  for (const std::string name : {"gemma2", "gemma3"}) {
+    const auto dir = model(name);
+    std::vector<std::vector<double>> runs;
+    for (const int tp : {1, 2}) {
+      const auto out = dir_ / (name + "-tp" + std::to_string(tp));
+      std::vector<std::string> args = {"--model", dir.string(), "--steps",
+                                       "5",       "--out",      out.string()};
+      if (tp == 2) args = with(args, {"--tp", "2"});
+      const RunResult r = mdist(tp, train_args(args));
+      ASSERT_EQ(r.exit_code, 0) << describe(r);
+      runs.push_back(losses(out));
+      ASSERT_EQ(runs.back().size(), 5u) << name;
+    }
+    const double worst = gap(runs[0], runs[1]);
+    EXPECT_LT(worst, 1e-5) << name;
+    std::cout << name << ": --tp 2 losses within " << worst << " (relative) of 1 rank's\n";
   }
 }
 
@@ -113,6 +166,43 @@ TEST_F(MdistFamilies, TensorParallelismIsRefusedNamingTheModule) {
   }
 }
 
+// Gemma configs mdist cannot run: one line from rank 0 naming the key, exit code 2, nothing
+// written.
+TEST_F(MdistFamilies, UnsupportedGemmaConfigsAreOneLineAndWriteNothing) {
+  const std::string common =
+      R"("hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256)";
+  const struct {
+    std::string name, config, message;
+  } cases[] = {
+      {"bidirectional",
+       R"({"architectures": ["Gemma3ForCausalLM"], )" + common +
+           R"(, "use_bidirectional_attention": true})",
+       "use_bidirectional_attention=true is not supported for Gemma3ForCausalLM"},
+      {"activation",
+       R"({"architectures": ["Gemma2ForCausalLM"], )" + common +
+           R"(, "hidden_activation": "gelu"})",
+       "unsupported hidden_activation 'gelu' for Gemma2ForCausalLM"},
+      {"flat-rope",
+       R"({"architectures": ["Gemma3ForCausalLM"], )" + common +
+           R"(, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})",
+       "rope_parameters of Gemma3ForCausalLM must be one object per layer type"},
+  };
+  for (const auto& c : cases) {
+    const auto dir = dir_ / ("bad-" + c.name);
+    fs::create_directories(dir);
+    std::ofstream(dir / "config.json") << c.config << "\n";
+    const auto out = dir_ / ("bad-" + c.name + "-out");
+    const RunResult r =
+        mdist(2, train_args({"--model", dir.string(), "--steps", "1", "--out", out.string()}));
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist train: error: model directory")) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << describe(r);
+    EXPECT_EQ(error_lines(r.err), 1) << describe(r);
+    EXPECT_FALSE(fs::exists(out)) << c.name;
+  }
+}
+
 // Calibration records every Linear under its module name, as modelopt names its quantizers:
 // Phi-3's fused projections are one Linear each.
 TEST_F(MdistFamilies, CalibrationNamesTheLinearsAsModelopt) {
@@ -122,6 +212,9 @@ TEST_F(MdistFamilies, CalibrationNamesTheLinearsAsModelopt) {
   } cases[] = {
       {"phi3", {"mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj", "self_attn.qkv_proj"}},
       {"olmo2",
+       {"mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
+        "self_attn.q_proj", "self_attn.v_proj"}},
+      {"gemma2",
        {"mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
         "self_attn.q_proj", "self_attn.v_proj"}},
   };

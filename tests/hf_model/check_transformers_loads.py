@@ -6,8 +6,9 @@ Works for every fixture, the mixtures of experts included (mdist writes their pu
 per-expert layout, which transformers 5 fuses on load), and the RoPE / layer-type fixtures of
 make_rope_fixtures.py (rope_yarn, rope_longrope, rope_dynamic, qwen3_sliding, ...: the rope
 object and layer_types that mdist's config.json writes are read back by transformers), and
-make_family_fixtures.py's phi3, phi3_bf16 and olmo2 (LENGTH 24: beyond Phi-3's
-original_max_position_embeddings, so its long factors run)."""
+make_family_fixtures.py's phi3, phi3_bf16, olmo2, gemma2, gemma2_bf16, gemma3 and gemma3_bf16
+(LENGTH 24: beyond Phi-3's original_max_position_embeddings, so its long factors run, and
+beyond the Gemma fixtures' window of 5)."""
 import sys
 
 import numpy as np

@@ -116,16 +116,18 @@ def published(state, config):
     return out, fused
 
 
-def write(arch, config_cls, model_cls, extra, seq_len=8, followups=(), rope_tables=False):
+def write(arch, config_cls, model_cls, extra, seq_len=8, followups=(), rope_tables=False,
+          attention="sdpa"):
     """seq_len: the inputs' length. followups: lengths of further forwards, run in order after
     the first (no mask, every row cut to that length), whose logits are stored as
     "logits_<length>": they show the state transformers keeps between forwards (dynamic RoPE,
     longrope's short and long factors). rope_tables: also store the rotary embedding's
     "rope:inv_freq" as built, "rope:inv_freq_after" as the first forward left it, and
-    "rope:attention_scaling" [1]."""
+    "rope:attention_scaling" [1]. attention: transformers' attention implementation ("eager"
+    where sdpa cannot run the model, as Gemma 2's soft-capping)."""
     torch.manual_seed(1234)
     config = config_cls(**{**COMMON, **extra}, architectures=[model_cls.__name__])
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     model = model_cls(config).eval().float()
     with torch.no_grad():  # large enough values that every parameter matters, f16-exact
         for name, param in model.named_parameters():
@@ -157,7 +159,7 @@ def write(arch, config_cls, model_cls, extra, seq_len=8, followups=(), rope_tabl
     labels[mask == 0] = -100
     labels[2, 3] = -100
     rotary = model.model.rotary_emb
-    built_inv_freq = rotary.inv_freq.clone()
+    built_inv_freq = rotary.inv_freq.clone() if rope_tables else None
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     assert torch.isfinite(out.loss), out.loss
     if rope_tables:

@@ -26,7 +26,7 @@ HERE = pathlib.Path(__file__).resolve().parent / "fixtures"
 # generation crosses it, where transformers' Phi-3 drops its cache and recomputes the whole
 # sequence on the long factors.
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe_norm", "qwen3_moe_ties",
-         "qwen2_moe", "mixtral", "phi3", "olmo2"]
+         "qwen2_moe", "mixtral", "phi3", "olmo2", "gemma2", "gemma3"]
 MAX_NEW_TOKENS = 24  # with a 7-token prompt, well past mistral's sliding window of 5
 CODES = {"f16": np.float16, "f32": np.float32, "i64": np.int64}
 
@@ -45,7 +45,8 @@ def fixture_tensors(arch):
 
 def load_model(arch):
     config = AutoConfig.from_pretrained(HERE / arch)
-    config._attn_implementation = "sdpa"
+    # Gemma 2: eager, as its parity fixtures (sdpa cannot soft-cap its scores).
+    config._attn_implementation = "eager" if config.model_type == "gemma2" else "sdpa"
     # The MoE fixtures were saved with output_router_logits=True (for their aux_loss); generate
     # needs no aux_loss, and transformers' load-balancing loss fails on a cached step's shapes.
     config.output_router_logits = False

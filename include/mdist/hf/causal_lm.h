@@ -1,15 +1,15 @@
 #pragma once
 // The Hugging Face Llama-family causal LM (LlamaForCausalLM, MistralForCausalLM,
-// Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, and the mixtures of
-// experts Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and MixtralForCausalLM) as a libtorch module
-// whose parameter names are the keys of the published checkpoints, so a checkpoint loads by
-// name with no mapping table:
+// Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, Gemma2ForCausalLM,
+// Gemma3ForCausalLM (text), and the mixtures of experts Qwen3MoeForCausalLM, Qwen2MoeForCausalLM
+// and MixtralForCausalLM) as a libtorch module whose parameter names are the keys of the published
+// checkpoints, so a checkpoint loads by name with no mapping table:
 //
 //   model.embed_tokens.weight
 //   model.layers.N.self_attn.{q,k,v,o}_proj.{weight,bias}     bias per LlamaConfig
 //   model.layers.N.self_attn.qkv_proj.weight                  Phi-3: q, k, v fused (rows)
-//   model.layers.N.self_attn.{q,k}_norm.weight                Qwen3, Qwen3-MoE (one head wide),
-//                                                               OLMo 2 (the whole projection)
+//   model.layers.N.self_attn.{q,k}_norm.weight                Qwen3, Qwen3-MoE, Gemma 3 (one head
+//                                                               wide), OLMo 2 (whole projection)
 //   model.layers.N.mlp.{gate,up,down}_proj.weight              dense layers
 //   model.layers.N.mlp.gate_up_proj.weight                     Phi-3: gate, up fused (rows)
 //   model.layers.N.mlp.gate.weight                             Qwen3-MoE sparse layers: router
@@ -19,7 +19,9 @@
 //   model.layers.N.block_sparse_moe.gate.weight                Mixtral: router
 //   model.layers.N.block_sparse_moe.experts.E.w{1,3,2}.weight    and experts (gate, up, down)
 //   model.layers.N.{input,post_attention}_layernorm.weight
-//   model.layers.N.post_feedforward_layernorm.weight          OLMo 2 (which has no input norm)
+//   model.layers.N.post_feedforward_layernorm.weight          OLMo 2 (which has no input norm),
+//                                                               Gemma 2 / 3
+//   model.layers.N.pre_feedforward_layernorm.weight           Gemma 2 / 3
 //   model.norm.weight
 //   lm_head.weight                                            absent when tie_word_embeddings
 //
@@ -67,12 +69,15 @@ namespace mdist::hf {
 
 // HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, cast to x's dtype, times weight.
 // weight_in_fp32 (OLMo 2's): times weight in fp32, then cast to x's dtype.
+// unit_offset (Gemma's): times (1 + weight) in fp32, then cast; the weight starts at 0.
 struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double eps, c10::Device device = c10::kCPU, bool weight_in_fp32 = false);
+  RMSNormImpl(int64_t dim, double eps, c10::Device device = c10::kCPU, bool weight_in_fp32 = false,
+              bool unit_offset = false);
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;
   double eps;
   bool weight_in_fp32 = false;
+  bool unit_offset = false;
 };
 TORCH_MODULE(RMSNorm);
 
@@ -95,6 +100,9 @@ struct AttentionImpl : torch::nn::Module {
   // modelopt's k_bmm_quantizer / v_bmm_quantizer sit (mdist::quant's KV-cache quantizers hook
   // them). Not registered: they hold no state and stay out of named_modules().
   torch::nn::Identity k_bmm, v_bmm;
+  std::optional<double> scale;    // of the scores: query_pre_attn_scalar ** -0.5 (Gemma);
+                                  // none: 1 / sqrt(head_dim)
+  std::optional<double> softcap;  // Gemma 2: tanh(scores / cap) * cap, before the mask
 };
 TORCH_MODULE(Attention);
 
@@ -106,6 +114,7 @@ struct MLPImpl : torch::nn::Module {  // SwiGLU
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
   torch::nn::Linear gate_up_proj{nullptr};  // Phi-3: instead of gate_proj and up_proj
+  bool gelu_tanh = false;                   // Gemma: GELU (tanh approximation) instead of SiLU
 };
 TORCH_MODULE(MLP);
 
@@ -184,8 +193,11 @@ struct DecoderLayerImpl : torch::nn::Module {
   // Pre-norm (the others): input_layernorm before attention, post_attention_layernorm
   // before the MLP. Post-norm (OLMo 2, LlamaConfig::post_norms): no input_layernorm;
   // post_attention_layernorm and post_feedforward_layernorm on the sub-layers' outputs.
+  // Sandwich norms (Gemma, LlamaConfig::sandwich_norms): input_layernorm and
+  // pre_feedforward_layernorm before the sub-layers, post_attention_layernorm and
+  // post_feedforward_layernorm on their outputs before the residual adds.
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
-  RMSNorm post_feedforward_layernorm{nullptr};
+  RMSNorm pre_feedforward_layernorm{nullptr}, post_feedforward_layernorm{nullptr};
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -208,7 +220,12 @@ struct DecoderModelImpl : torch::nn::Module {
   RMSNorm norm{nullptr};
   // Not parameters or buffers, as HF's non-persistent inv_freq; holds the dynamic-RoPE state.
   RotaryEmbedding rotary;
-  bool rotary_in_fp32 = false;                  // OLMo 2: cos and sin stay fp32 in a bf16 model
+  // Gemma 3: the sliding layers' own RoPE (LlamaConfig::sliding_rope_config); else none.
+  std::optional<RotaryEmbedding> sliding_rotary;
+  std::vector<bool> sliding_rope_layers;  // per layer: uses sliding_rotary
+  bool rotary_in_fp32 = false;            // OLMo 2: cos and sin stay fp32 in a bf16 model
+  // Gemma: the embeddings times sqrt(hidden_size) (in the embeddings' dtype); none: not scaled.
+  std::optional<double> embed_scale;
   std::vector<std::optional<int64_t>> windows;  // each layer's attention window (none: full)
   // Per layer: run under activation checkpointing when training (empty: none). Set by
   // hf::apply_activation_checkpointing (mdist/hf/activation_checkpointing.h).

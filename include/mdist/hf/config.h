@@ -2,7 +2,8 @@
 // The configuration of a Hugging Face Llama-family causal LM (config.json), for
 // mdist::hf::CausalLM. Supported architectures: LlamaForCausalLM, MistralForCausalLM,
 // Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-3.5, Phi-4),
-// Olmo2ForCausalLM and the mixtures of experts Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and
+// Olmo2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3 text) and the mixtures of
+// experts Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and
 // MixtralForCausalLM, whose decoders differ only in what this struct holds.
 //
 // Both config.json styles are read: transformers 4 (top-level "rope_theta" and
@@ -97,7 +98,9 @@ struct LlamaConfig {
   // sliding when sliding_window is set).
   std::vector<LayerType> layer_types;
   std::optional<int64_t> pad_token_id;  // embed_tokens' padding_idx (no gradient)
-  std::string hidden_act = "silu";      // the only one supported
+  // "silu" (SwiGLU), or Gemma's "gelu_pytorch_tanh" (GeGLU with tanh-approximated GELU; read
+  // from "hidden_activation").
+  std::string hidden_act = "silu";
   bool tie_word_embeddings = false;
   bool qkv_bias = false;  // bias on q/k/v_proj (Llama attention_bias; always for Qwen2)
   bool o_bias = false;    // bias on o_proj (Llama attention_bias; never for Qwen2)
@@ -115,6 +118,25 @@ struct LlamaConfig {
   // OLMo 2's numerics: RMSNorm multiplies by its weight in fp32 before the cast back, and the
   // rotary tables stay fp32 (q and k are rotated in fp32, then cast back).
   bool fp32_norm_weight_and_rotary = false;
+  // Gemma 2 / Gemma 3: four norms per layer ("sandwich"): input_layernorm before attention,
+  // post_attention_layernorm on the attention output before the residual add, and
+  // pre_feedforward_layernorm / post_feedforward_layernorm around the MLP likewise.
+  bool sandwich_norms = false;
+  // Gemma: RMSNorm multiplies by (1 + weight) in fp32, then casts (the weights start at 0).
+  bool norm_unit_offset = false;
+  // Gemma: the embeddings are multiplied by sqrt(hidden_size), that factor rounded to the
+  // model's dtype first.
+  bool scale_embeddings = false;
+  // Gemma: attention scores scaled by query_pre_attn_scalar ** -0.5 (none: head_dim ** -0.5).
+  std::optional<int64_t> query_pre_attn_scalar;  // an int in transformers' config classes
+  // Gemma 2: tanh(x / cap) * cap on the attention scores (before the mask) and on the logits.
+  std::optional<double> attn_logit_softcapping;
+  std::optional<double> final_logit_softcapping;
+  // Gemma 3: the sliding layers' own RoPE (rope_parameters["sliding_attention"], transformers
+  // 4's rope_local_base_freq); rope_theta / rope_scaling are then the full-attention layers'.
+  // None: every layer shares one RoPE.
+  std::optional<double> sliding_rope_theta;
+  std::optional<RopeScaling> sliding_rope_scaling;
   std::string torch_dtype = "float32";  // "torch_dtype" (transformers 4) or "dtype" (5)
   std::optional<MoeConfig> moe;         // none: a dense model
 
@@ -122,6 +144,9 @@ struct LlamaConfig {
   bool sparse_layer(int64_t layer) const;
   // The attention window of decoder layer `layer`; none: full causal attention.
   std::optional<int64_t> window_of(int64_t layer) const;
+  // The config whose rope_theta / rope_scaling are the sliding layers' RoPE (Gemma 3); this
+  // config when they share one.
+  LlamaConfig sliding_rope_config() const;
 
   // Throws ConfigError naming the architecture, the missing key or the unsupported value.
   static LlamaConfig from_json(const std::string& text);
