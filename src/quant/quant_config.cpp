@@ -59,7 +59,9 @@ QuantFormat default_format(QuantizerRole role) {
   return role == QuantizerRole::weight ? QuantFormat::int8_per_row() : QuantFormat::int8();
 }
 
-std::vector<std::string> QuantConfig::preset_names() { return {"fp8", "int8", "int8_sq"}; }
+std::vector<std::string> QuantConfig::preset_names() {
+  return {"fp8", "int8", "int8_sq", "int4_awq"};
+}
 
 QuantConfig QuantConfig::preset(std::string_view name) {
   // FP8_DEFAULT_CFG: E4M3 per tensor, weights and inputs.
@@ -70,6 +72,14 @@ QuantConfig QuantConfig::preset(std::string_view name) {
   if (name == "int8_sq") {
     QuantConfig config = make_preset("int8_sq", QuantFormat::int8_per_row(), QuantFormat::int8());
     config.algorithm = "smoothquant";
+    return config;
+  }
+  // INT4_AWQ_CFG: INT4 weights in static blocks of 128, inputs off (their rule has no cfg: the
+  // default format, disabled), calibrated by AWQ-lite.
+  if (name == "int4_awq") {
+    QuantConfig config = make_preset("int4_awq", QuantFormat::int4_blocks(), QuantFormat::int8());
+    config.rules.at(2) = disable("*input_quantizer");
+    config.algorithm = "awq_lite";
     return config;
   }
   std::string known;
