@@ -115,6 +115,22 @@ TEST_P(Awq, AmaxPreQuantScaleAndLossEqualModelopt) {
   EXPECT_EQ(model->loss(model->forward(ids), ids).item<double>(), plain);
 }
 
+// modelopt's export_hf_checkpoint of the same quantized model (W4A16_AWQ): every tensor byte
+// for byte (packed int4 weights, block scales, the norms with q/k/v's and gate/up's mean
+// pre_quant_scale folded in, o_proj's and down_proj's pre_quant_scale), hf_quant_config.json
+// and config.json's quantization_config equal but for the producer's version.
+TEST_P(Awq, ExportEqualsModeloptsByteForByte) {
+  const std::string arch = GetParam();
+  const PtqFixture fixture(arch);
+  mdist::hf::CausalLM model = mdist::hf::load_pretrained(fixture_dir(arch));
+  const auto quantizers = mdist::quant::quantize(model, QuantConfig::preset(kPreset),
+                                                 forward_batches(fixture, all_batches(fixture)));
+  const auto out = std::filesystem::path(::testing::TempDir()) / ("awq_export_" + arch);
+  std::filesystem::remove_all(out);
+  mdist::quant::export_hf_checkpoint(model, *quantizers, out);
+  mdist::quant::testing::expect_export_equals_modelopt(out, arch, kPreset);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, Awq, ::testing::Values("awq_llama", "awq_qwen3"));
 
 // A Linear whose in_features the block of 128 does not divide (the ptq fixtures: hidden 32) is
