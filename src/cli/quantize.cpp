@@ -11,9 +11,11 @@
 // keeps its other files and gets each of the export's files replaced whole. Bad input is
 // agreed on before anything is created.
 //
-// int8_sq (INT8_SMOOTHQUANT_CFG) calibrates with SmoothQuant (alpha 1.0) instead of max.
-// Not implemented yet (refused with one line, exit 2): the formats int4_awq,
-// w4a8_awq and nvfp4, --kv-cache, expert parallelism (--ep), --param-dtype.
+// int8_sq (INT8_SMOOTHQUANT_CFG) calibrates with SmoothQuant (alpha 1.0) instead of max;
+// int4_awq (INT4_AWQ_CFG) with AWQ-lite (two passes over the calibration data, three on the
+// FSDP2-wrapped model: the folded weights' block amax is taken in the third).
+// Not implemented yet (refused with one line, exit 2): the formats w4a8_awq and nvfp4,
+// --kv-cache, expert parallelism (--ep), --param-dtype.
 //
 // Progress: on a terminal rank 0 redraws one line per phase in place (held-out loss before,
 // calibrating, SmoothQuant's smoothing pass, held-out loss after, exporting) with a count of
@@ -26,6 +28,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -51,31 +54,34 @@ using Seconds = std::chrono::duration<double>;
 
 // --format: the presets quant::QuantConfig knows, with the quant_algo their export writes.
 const std::map<std::string, std::string>& implemented_formats() {
-  static const std::map<std::string, std::string> formats = {
-      {"fp8", "FP8"}, {"int8", "W8A8_SQ_PER_CHANNEL"}, {"int8_sq", "W8A8_SQ_PER_CHANNEL"}};
+  static const std::map<std::string, std::string> formats = {{"fp8", "FP8"},
+                                                             {"int8", "W8A8_SQ_PER_CHANNEL"},
+                                                             {"int8_sq", "W8A8_SQ_PER_CHANNEL"},
+                                                             {"int4_awq", "W4A16_AWQ"}};
   return formats;
 }
 
 // issue 28's other formats: named here so that they are refused as not implemented yet
 // rather than as unknown.
 const std::set<std::string>& planned_formats() {
-  static const std::set<std::string> formats = {"int4_awq", "w4a8_awq", "nvfp4"};
+  static const std::set<std::string> formats = {"w4a8_awq", "nvfp4"};
   return formats;
 }
 
 void check_format(const QuantizeOptions& o) {
   if (o.format.empty()) {
     throw InputError(
-        "--format is required: fp8, int8 or int8_sq (modelopt's FP8_DEFAULT_CFG, "
-        "INT8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG)");
+        "--format is required: fp8, int8, int8_sq or int4_awq (modelopt's FP8_DEFAULT_CFG, "
+        "INT8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG, INT4_AWQ_CFG)");
   }
   if (planned_formats().contains(o.format)) {
     throw InputError("--format " + o.format +
-                     " is not implemented yet; the implemented formats are fp8, int8 and int8_sq");
+                     " is not implemented yet; the implemented formats are fp8, int8, int8_sq and "
+                     "int4_awq");
   }
   if (!implemented_formats().contains(o.format)) {
     throw InputError("unknown --format '" + o.format +
-                     "'; the formats are fp8, int8 and int8_sq (int4_awq, w4a8_awq and nvfp4 are "
+                     "'; the formats are fp8, int8, int8_sq and int4_awq (w4a8_awq and nvfp4 are "
                      "not implemented yet)");
   }
   if (o.sq_alpha && o.format != "int8_sq") {
@@ -90,6 +96,37 @@ void check_format(const QuantizeOptions& o) {
     throw InputError("--kv-cache " + o.kv_cache +
                      " is not implemented yet (no KV-cache quantizers in mdist::quant); leave it "
                      "out to quantize the Linear layers only");
+  }
+}
+
+// int4_awq: INT4's blocks of 128 along every quantized Linear's input, whole (AWQ-lite needs
+// them; modelopt's export refuses the rest), also on each tensor-parallel rank's shard of
+// o_proj and down_proj. The Linears of the dense decoders mdist builds (a mixture of experts
+// is refused before this).
+void check_awq_blocks(const hf::LlamaConfig& config, int tensor_parallel) {
+  constexpr int64_t kBlock = 128;
+  const int64_t head_dim =
+      config.head_dim > 0 ? config.head_dim : config.hidden_size / config.num_attention_heads;
+  const struct {
+    const char* name;
+    int64_t in;
+    bool row_parallel;
+  } linears[] = {{"self_attn.q_proj", config.hidden_size, false},
+                 {"self_attn.o_proj", config.num_attention_heads * head_dim, true},
+                 {"mlp.gate_proj", config.hidden_size, false},
+                 {"mlp.down_proj", config.intermediate_size, true}};
+  for (const auto& l : linears) {
+    const std::string name = std::string("model.layers.0.") + l.name;
+    if (l.in % kBlock != 0) {
+      throw InputError("--format int4_awq: " + name + " has in_features " + std::to_string(l.in) +
+                       ", which INT4's block size " + std::to_string(kBlock) + " does not divide");
+    }
+    if (l.row_parallel && tensor_parallel > 1 && (l.in / tensor_parallel) % kBlock != 0) {
+      throw InputError("--format int4_awq: " + name + " has in_features " + std::to_string(l.in) +
+                       ", " + std::to_string(l.in / tensor_parallel) + " per rank with --tp " +
+                       std::to_string(tensor_parallel) + ", which INT4's block size " +
+                       std::to_string(kBlock) + " does not divide");
+    }
   }
 }
 
@@ -161,6 +198,13 @@ QuantizeInputs check_inputs(const QuantizeOptions& o) {
           "its attention layers and quantizes its fused experts unsmoothed, which mdist does not "
           "reproduce); use --format int8 or fp8");
     }
+    if (o.format == "int4_awq" && in.choice.config.moe) {
+      throw InputError(
+          "--format int4_awq is not supported for a mixture of experts yet (modelopt quantizes "
+          "its fused experts in a way mdist's per-expert layers do not reproduce); use --format "
+          "int8 or fp8");
+    }
+    if (o.format == "int4_awq") check_awq_blocks(in.choice.config, o.io.tensor_parallel);
     in.calib = load_checked_data(o.io, DataSplit::train, in.choice, "quantize: calibration");
     // The held-out data as `mdist eval` reads it with the same flags: the embedded corpus's
     // eval split, or all of the file.
@@ -369,7 +413,7 @@ int run_quantize(const QuantizeOptions& o) {
       "), " +
       (config.algorithm == "smoothquant"
            ? "SmoothQuant (alpha " + flag_value(config.smoothquant_alpha) + ")"
-           : std::string("max")) +
+           : std::string(config.algorithm == "awq_lite" ? "AWQ-lite" : "max")) +
       " calibration on " + std::to_string(calib_total) + " sequences of " +
       std::to_string(o.io.seq_len) + " tokens from " + in.calib.description + ", " +
       describe_layout(layout));
@@ -407,12 +451,22 @@ int run_quantize(const QuantizeOptions& o) {
     // data-parallel group already includes that sequence, so the synced amax is unchanged.
     int passes = 0;
     const quant::ForwardLoop loop = [&](hf::CausalLM& m) {
-      // SmoothQuant runs the loop a second time, over the smoothed weights.
-      phase(passes++ == 0 ? "calibrating" : "smoothing pass", calib_total);
+      // SmoothQuant runs the loop a second time, over the smoothed weights; AWQ-lite a second
+      // time for its search (and a third on the FSDP2 model, for the folded weights' amax).
+      const bool awq = config.algorithm == "awq_lite";
+      phase(passes == 0   ? "calibrating"
+            : !awq        ? "smoothing pass"
+            : passes == 1 ? "AWQ search pass"
+                          : "AWQ weight amax pass",
+            calib_total);
+      ++passes;
       const Group dp = layout.parallel.data_parallel_group.group();
       const auto plan = train::plan_forwards(calib_total, mdist::size(dp), mdist::rank(dp), 1);
       for (int64_t round = 0; round < plan.rounds; ++round) {
         const bool real = round < static_cast<int64_t>(plan.windows.size());
+        // A repeat of the first sequence counts in no mean (AWQ's statistics).
+        std::optional<quant::UncountedForward> uncounted;
+        if (!real) uncounted.emplace();
         m->forward(
             batch_of(calib_windows, {real ? plan.windows[static_cast<std::size_t>(round)] : 0})
                 .to(device));

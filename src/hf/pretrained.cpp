@@ -95,6 +95,7 @@ std::vector<std::string> check_checkpoint(const LlamaConfig& config,
     TensorInfo info =
         checkpoint.contains(name) ? checkpoint.info(name) : checkpoint.info(in_fused->second.key);
     if (!checkpoint.contains(name)) info.shape = in_fused->second.shape;
+    if (checkpoint.contains(name)) info.shape = detail::dequantized_shape(checkpoint, name);
     if (!c10::IntArrayRef(info.shape).equals(item.value().sizes())) {
       throw Error("size mismatch for '" + name + "': copying a param with shape " +
                   shape_text(info.shape) + " from checkpoint, the shape in current model is " +
@@ -428,7 +429,7 @@ void load_sharded(torch::nn::Module& model, const TensorParallelPlan* plan,
   }
   source.shape = [&](const std::string& name) {
     if (const auto it = fused.find(name); it != fused.end()) return it->second.shape;
-    return checkpoint.info(name).shape;
+    return detail::dequantized_shape(checkpoint, name);
   };
   source.read = [&](const std::string& name, int64_t first_row, int64_t rows) {
     if (const auto it = fused.find(name); it != fused.end()) {

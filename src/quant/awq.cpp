@@ -18,6 +18,9 @@ namespace {
 
 using Mode = TensorQuantizerImpl::Mode;
 
+// UncountedForward's depth on this thread.
+thread_local int uncounted_depth = 0;
+
 // torch.finfo(dtype).tiny of a float dtype.
 double tiny(at::ScalarType dtype) {
   switch (dtype) {
@@ -137,6 +140,17 @@ void recalibrate(TensorQuantizer& quantizer, const at::Tensor& weight) {
 
 }  // namespace
 
+}  // namespace mdist::quant::detail
+
+namespace mdist::quant {
+
+UncountedForward::UncountedForward() { ++detail::uncounted_depth; }
+UncountedForward::~UncountedForward() { --detail::uncounted_depth; }
+
+}  // namespace mdist::quant
+
+namespace mdist::quant::detail {
+
 void check_awq_blocks(const std::vector<QuantizedLinear*>& linears) {
   for (const QuantizedLinear* q : linears) {
     const QuantFormat& format = q->weight_quantizer->format();
@@ -165,6 +179,11 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
     state->q = linears[i];
     state->column_parallel = column_parallel.at(i);
     state->block = linears[i]->weight_quantizer->format().block_size();
+    // modelopt takes it when the helper is made; a model wrapped by fully_shard holds its
+    // whole weight only in its forwards, where the hook takes it instead.
+    if (!weights_from_forward) {
+      state->weight_scale = weight_scale(linears[i]->linear->weight, state->block);
+    }
     // The search's weights are fake-quantized with their blocks' own max: no amax yet.
     linears[i]->weight_quantizer->set_mode(Mode::disabled);
     states.push_back(std::move(state));
@@ -181,13 +200,14 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
           if (inputs.empty() || inputs.front()->numel() == 0 || !state->enabled) return;
           const at::NoGradGuard no_grad;
           const at::Tensor& x = *inputs.front();
+          // A model wrapped by fully_shard holds its whole weight only here.
+          if (!searching && !state->weight_scale.defined()) {
+            state->weight_scale = weight_scale(state->q->linear->weight, state->block);
+          }
+          if (uncounted_depth > 0) return;
           if (searching) {
             search_step(*state, x.detach(), alphas, options);
             return;
-          }
-          // A model wrapped by fully_shard holds its whole weight only here.
-          if (!state->weight_scale.defined()) {
-            state->weight_scale = weight_scale(state->q->linear->weight, state->block);
           }
           const at::Tensor act = act_scale(x);
           state->act_scale = state->act_scale.defined() ? state->act_scale + act : act;
@@ -201,35 +221,37 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
   try {
     forward_loop(model);
 
-    // The mean over the cache forwards, averaged over the data-parallel group; a NaN on any
-    // rank turns AWQ off for the Linear on all of them.
+    // The mean over every rank's cache forwards: the sums and counts summed over the
+    // data-parallel group (modelopt averages the ranks' means, the same value when the ranks
+    // ran as many forwards; see awq.h). A NaN turns AWQ off for the Linear on every rank.
     const c10::Device device =
         linears.empty() ? c10::Device(c10::kCPU) : linears.front()->linear->weight.device();
-    std::vector<at::Tensor> acts, nan_flags;
+    std::vector<at::Tensor> sums;
     for (auto& state : states) {
       const int64_t in = state->q->linear->weight.size(1);
-      if (state->cache_steps > 0) {
-        state->act_scale = state->act_scale / static_cast<double>(state->cache_steps);
-        const bool nan = state->act_scale.isnan().any().item<bool>() ||
-                         state->weight_scale.isnan().any().item<bool>();
-        nan_flags.push_back(at::full({1}, nan ? 1.0 : 0.0, at::TensorOptions().device(device)));
-        acts.push_back(state->act_scale);
-      } else {
-        nan_flags.push_back(at::zeros({1}, at::TensorOptions().device(device)));
-        acts.push_back(at::zeros({in}, at::TensorOptions().device(device)));
-      }
+      const at::Tensor count = at::full({1}, static_cast<double>(state->cache_steps),
+                                        at::TensorOptions().device(device));
+      const at::Tensor act = state->cache_steps > 0
+                                 ? state->act_scale.to(device)
+                                 : at::zeros({in}, at::TensorOptions().device(device));
+      sums.push_back(at::cat({act, count}));
     }
     const auto& dp = options.parallel.data_parallel_group;
-    all_reduce(nan_flags, dp, "max");
-    all_reduce(acts, dp, "sum");
+    all_reduce(sums, dp, "sum");
     for (std::size_t i = 0; i < states.size(); ++i) {
       AwqState& state = *states[i];
-      if (state.cache_steps == 0 || nan_flags[i].item<double>() > 0) {
+      const int64_t in = state.q->linear->weight.size(1);
+      const double count = sums[i][in].item<double>();
+      if (count == 0 || !state.weight_scale.defined()) {
         state.enabled = false;
         continue;
       }
-      state.act_scale =
-          group_used(dp) ? acts[i] / static_cast<double>(dp.world_size()) : state.act_scale;
+      state.act_scale = sums[i].narrow(0, 0, in) / count;
+      if (state.act_scale.isnan().any().item<bool>() ||
+          state.weight_scale.isnan().any().item<bool>()) {
+        state.enabled = false;
+        continue;
+      }
       for (std::size_t a = 0; a < alphas.size(); ++a) {
         state.loss.push_back(at::zeros({}, at::TensorOptions().device(device).dtype(at::kFloat)));
       }
@@ -242,8 +264,17 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
 
     // The losses summed over the ranks, so that all choose the same alpha (see awq.h).
     std::vector<at::Tensor> losses;
+    // modelopt turns AWQ off for a Linear the search pass missed; here on every rank alike.
+    std::vector<at::Tensor> searched;
     for (auto& state : states) {
-      if (state->enabled && state->search_steps == 0) state->enabled = false;
+      searched.push_back(at::full({1}, static_cast<double>(state->search_steps),
+                                  at::TensorOptions().device(device)));
+    }
+    all_reduce(searched, dp, "sum");
+    for (std::size_t i = 0; i < states.size(); ++i) {
+      if (searched[i].item<double>() == 0) states[i]->enabled = false;
+    }
+    for (auto& state : states) {
       losses.push_back(state->enabled ? at::stack(state->loss)
                                       : at::zeros({static_cast<int64_t>(alphas.size())},
                                                   at::TensorOptions().device(device)));

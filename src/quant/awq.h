@@ -5,8 +5,8 @@
 // Per Linear whose weight quantizer is enabled (static INT4 blocks):
 //  1. cache pass (the forward loop): act_c = mean over tokens of |x_c| (in x's dtype, then
 //     fp32), summed over the forwards and divided by their number; w_c = mean over rows of
-//     |W| / (its block's max |W| + tiny(dtype)) (in W's dtype, then fp32). act is averaged over
-//     the data-parallel group;
+//     |W| / (its block's max |W| + tiny(dtype)) (in W's dtype, then fp32). Forwards under an
+//     UncountedForward are not counted (here nor in the search);
 //  2. search pass (the loop again): for every alpha in arange(0, 1.1, 0.1) (fp32 values)
 //       s = clamp(act^alpha / (w^(1 - alpha) + tiny(fp32)), 1e-4, 1e4);  s /= sqrt(max s * min s)
 //     (a column-parallel Linear's s: SUM / tp over the tensor-parallel group), and the loss
@@ -18,9 +18,11 @@
 // A Linear the cache pass never reached, whose statistics hold a NaN, or that the search pass
 // missed is max-calibrated unfolded with a pre_quant_scale of ones (modelopt's fallback).
 //
-// Deliberate difference: the losses are summed over the data- and tensor-parallel groups
-// before the choice, so that every rank picks the same alpha (modelopt lets each rank choose
-// from its own data, which can leave ranks with different weights).
+// Deliberate differences: act is the mean over all ranks' forwards (sums and counts summed
+// over the data-parallel group), where modelopt averages each rank's mean: equal when the ranks
+// run as many forwards, and independent of the layout otherwise. The losses are summed over the
+// data- and tensor-parallel groups before the choice, so that every rank picks the same alpha
+// (modelopt lets each rank choose from its own data, which can leave ranks with different weights).
 #include <vector>
 
 #include "mdist/quant/quantize.h"

@@ -8,7 +8,8 @@ expected numbers of mdist::quant::quantize with format int4_awq (tests/quant/awq
 The layout of expected.safetensors is make_ptq_fixtures.py's (calib, eval_ids, loss,
 <preset>.loss, <preset>.<quantizer>._amax, <preset>.<quantizer>._pre_quant_scale,
 <preset>.enabled with metadata <preset>.quantizers / <preset>.parents), and export_<preset>/
-holds modelopt's export_hf_checkpoint of the quantized model. The models are fp32 (and
+holds modelopt's export_hf_checkpoint of the quantized model; <preset>.export_loss is that
+export's held-out loss read back in plain torch (dequantized weights, pre_quant_scale hooks). The models are fp32 (and
 awq_qwen3_bf16, the Qwen3 model in bf16), hidden 128, intermediate 256, 2 layers: the smallest
 sizes whose every Linear input is a whole number of blocks.
 """
@@ -19,7 +20,7 @@ import pathlib
 
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import modelopt.torch.quantization as mtq
@@ -61,6 +62,40 @@ def parent_class(module):
     return "other"
 
 
+def dequantized_int4(export, name):
+    """An exported W4A16_AWQ weight as fp32: two int4 rows per byte (low nibble first) times
+    the per-row, per-block weight_scale."""
+    packed = export[name].to(torch.int32)
+    nibbles = torch.stack([packed & 15, (packed >> 4) & 15], 1).reshape(2 * packed.shape[0], -1)
+    codes = torch.where(nibbles >= 8, nibbles - 16, nibbles).float()
+    scale = export[name[: -len("weight")] + "weight_scale"].float()
+    return codes * scale.repeat_interleave(codes.shape[1] // scale.shape[1], 1)
+
+
+def export_loss(model, export_dir, eval_ids):
+    """The held-out loss of the export read back in plain torch (no modelopt): the unquantized
+    model with the export's dequantized weights and norms, and x * pre_quant_scale before the
+    Linears that keep one (what mdist eval of the export must give)."""
+    export = load_file(str(export_dir / "model.safetensors"))
+    readback = copy.deepcopy(model)
+    state = {}
+    for name, value in export.items():
+        if name.endswith(("weight_scale", "pre_quant_scale")):
+            continue
+        state[name] = dequantized_int4(export, name) if value.dtype == torch.uint8 else value
+    readback.load_state_dict(state, strict=False)
+    hooks = []
+    for name, value in export.items():
+        if name.endswith(".pre_quant_scale"):
+            linear = readback.get_submodule(name[: -len(".pre_quant_scale")])
+            hooks.append(linear.register_forward_pre_hook(lambda m, a, s=value: (a[0] * s,)))
+    with torch.no_grad():
+        loss = readback(input_ids=eval_ids, labels=eval_ids).loss.float()
+    for hook in hooks:
+        hook.remove()
+    return loss
+
+
 def write(arch, config_cls, model_cls, extra, dtype=torch.float32):
     model = build(config_cls, model_cls, extra).to(dtype)
     out_dir = HERE / f"awq_{arch}"
@@ -99,6 +134,7 @@ def write(arch, config_cls, model_cls, extra, dtype=torch.float32):
         export_dir = out_dir / f"export_{preset}"
         export_hf_checkpoint(quantized, dtype=dtype, export_dir=str(export_dir))
         (export_dir / "generation_config.json").unlink(missing_ok=True)
+        tensors[f"{preset}.export_loss"] = export_loss(model, export_dir, eval_ids)
         print(arch, preset, "loss", tensors["loss"].item(), "->", loss.item(),
               sum(enabled), "of", len(names), "quantizers enabled")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "expected.safetensors"),

@@ -1,8 +1,11 @@
 #pragma once
 // Reading a quantized Hugging Face checkpoint in modelopt's unified format (what modelopt
 // 0.47's export_hf_checkpoint and mdist::quant::export_hf_checkpoint write) for the formats
-// whose weights are stored one value per element: FP8 (float8_e4m3fn weight, 0-d fp32
-// weight_scale) and W8A8_SQ_PER_CHANNEL (int8 weight, fp32 weight_scale per output row).
+// whose weights this loader dequantizes: FP8 (float8_e4m3fn weight, 0-d fp32 weight_scale),
+// W8A8_SQ_PER_CHANNEL (int8 weight, fp32 weight_scale per output row) and W4A16_AWQ (two int4
+// output rows per uint8, fp32 weight_scale per row and block of 128 inputs; the AWQ
+// pre_quant_scale of o_proj / down_proj is applied by the quantization layer, q/k/v's and
+// gate/up's are folded into the norms' weights by the export).
 //
 // At this layer a quantized weight is read back dequantized: W = weight.float() * weight_scale
 // (per row for int8), then converted to the model's dtype by the loader, as a serving engine
@@ -11,7 +14,7 @@
 // unknown keys. Applying the input scales (fake-quantizing activations) is the quantization
 // layer's part: mdist::quant::apply_checkpoint_quantization (mdist/quant/readback.h).
 //
-// Other quant_algo values (NVFP4, W4A16_AWQ, ...) and a KV-cache quantization are refused
+// Other quant_algo values (NVFP4, W4A8_AWQ, ...) and a KV-cache quantization are refused
 // (check_checkpoint throws naming them): their weights are packed or their scales apply where
 // this loader does not apply them, so loading them as plain weights would be wrong silently.
 #include <ATen/core/Tensor.h>
@@ -20,6 +23,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace mdist::hf {
 
@@ -39,15 +43,20 @@ std::optional<CheckpointQuantization> checkpoint_quantization(const std::filesys
 // Whether this loader reads `q` (FP8 or W8A8_SQ_PER_CHANNEL, no KV-cache algorithm); the
 // quant_algo values it reads, for messages.
 bool is_readable(const CheckpointQuantization& q);
-inline constexpr const char* kReadableQuantAlgos = "FP8, W8A8_SQ_PER_CHANNEL";
+inline constexpr const char* kReadableQuantAlgos = "FP8, W8A8_SQ_PER_CHANNEL, W4A16_AWQ";
 
 namespace detail {
 
-// `name` (".weight") is stored as float8_e4m3fn or int8 with a `<module>.weight_scale` beside it.
+// `name` (".weight") is stored as float8_e4m3fn, int8 or (INT4 packed) uint8 with a
+// `<module>.weight_scale` beside it.
 bool is_quantized_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name);
 // `name` is the weight_scale, input_scale or (SmoothQuant) pre_quant_scale of a module whose
 // weight is quantized.
 bool is_quantization_scale(const SafetensorsCheckpoint& checkpoint, const std::string& name);
+// The shape a tensor is read back in: a packed INT4 weight's [out / 2, in] as [out, in]; any
+// other tensor's stored shape.
+std::vector<std::int64_t> dequantized_shape(const SafetensorsCheckpoint& checkpoint,
+                                            const std::string& name);
 // Rows [first_row, first_row + rows) of a quantized weight (all rows when rows < 0),
 // dequantized to fp32. Throws Error for a weight_scale that is neither one value nor one per row.
 at::Tensor dequantized_rows(const SafetensorsCheckpoint& checkpoint, const std::string& name,

@@ -90,6 +90,18 @@ struct QuantizeOptions {
 
 class ModelQuantizers;
 
+// While one is alive, the forwards of this thread feed no calibration statistic that counts
+// forwards (AWQ's means and losses): for a forward a rank runs only to keep collectives in step
+// with the others (FSDP2's gathers), a sequence that another rank already calibrates on. Max
+// calibration still sees it (a maximum is unchanged by a repeat).
+class UncountedForward {
+ public:
+  UncountedForward();
+  ~UncountedForward();
+  UncountedForward(const UncountedForward&) = delete;
+  UncountedForward& operator=(const UncountedForward&) = delete;
+};
+
 // Inserts the quantizers `config` enables into `model`, calibrates them on `forward_loop` and
 // turns fake quant on. Collective over the groups of `options` (every rank calls it). Throws
 // InputError for an algorithm other than "max" and "smoothquant" and Error as described above.

@@ -1,6 +1,6 @@
 #pragma once
 // Reading a quantized checkpoint back as the quantized model it describes (issue 28, item 6):
-// modelopt's unified HF export (FP8, W8A8_SQ_PER_CHANNEL), modelopt's own or
+// modelopt's unified HF export (FP8, W8A8_SQ_PER_CHANNEL, W4A16_AWQ), modelopt's own or
 // quant::export_hf_checkpoint's.
 //
 //   hf::ParallelModel built = hf::load_pretrained_fsdp2(dir, options);  // weights dequantized
@@ -15,7 +15,9 @@
 // quantize mode), through the same ModelQuantizers hooks quant::quantize installs. A Linear
 // without one (the exclude_modules: lm_head, routers) stays unquantized. A SmoothQuant export
 // (INT8_SMOOTHQUANT_CFG: its weights are smoothed, W / s) also holds `pre_quant_scale` (s) per
-// Linear: the input quantizer multiplies its input by it first, as modelopt's does. Under
+// Linear: the input quantizer multiplies its input by it first, as modelopt's does. An INT4 AWQ
+// export (W4A16_AWQ: weight-only) has no input_scale; its o_proj and down_proj hold the AWQ
+// pre_quant_scale, applied the same way by their (disabled) input quantizers. Under
 // tensor parallelism a row-parallel Linear holds part of the input channels: a pre_quant_scale
 // there is refused (Error naming the sizes), not split.
 //
@@ -33,7 +35,8 @@ namespace mdist::quant {
 
 // The input quantizers of the checkpoint in `dir` on `model` (loaded from it, plain, wrapped or
 // split alike: the input amax is one value per tensor), or null for a checkpoint without
-// quantization. Throws Error for a quant_algo other than FP8 and W8A8_SQ_PER_CHANNEL, for a
+// quantization. Throws Error for a quant_algo other than FP8, W8A8_SQ_PER_CHANNEL and
+// W4A16_AWQ, for a
 // KV-cache quantization, and for an input_scale that is not one value. Not collective.
 std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& model,
                                                                const std::filesystem::path& dir);
