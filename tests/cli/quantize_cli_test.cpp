@@ -399,11 +399,6 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
       {base({"--format", "int4_awq", "--out", out.string()}),
        "--format int4_awq: model.layers.0.self_attn.q_proj has in_features 32, which INT4's "
        "block size 128 does not divide"},
-      {std::vector<std::string>{"quantize", "--model", fixture("awq_llama").string(), "--data",
-                                calib, "--seq-len", "16", "--format", "int4_awq", "--tp", "2",
-                                "--out", out.string()},
-       "--format int4_awq: model.layers.0.self_attn.o_proj has in_features 128, 64 per rank "
-       "with --tp 2, which INT4's block size 128 does not divide"},
       {std::vector<std::string>{"quantize", "--model", moe.string(), "--data", calib, "--seq-len",
                                 "16", "--format", "int4_awq", "--out", out.string()},
        "--format int4_awq is not supported for a mixture of experts yet"},
@@ -441,6 +436,18 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
       EXPECT_EQ(tree(dir_), before);
       EXPECT_EQ(read(out / "earlier.txt"), "kept\n");
     }
+  }
+  // --tp 2 (two ranks): a row-parallel shard of 64 inputs holds no whole block.
+  {
+    const auto r =
+        mdist(2, {"quantize", "--model", fixture("awq_llama").string(), "--data", calib,
+                  "--seq-len", "16", "--format", "int4_awq", "--tp", "2", "--out", out.string()});
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist quantize: error: --format int4_awq: "
+                                 "model.layers.0.self_attn.o_proj has in_features 128, 64 per "
+                                 "rank with --tp 2, which INT4's block size 128 does not divide"));
+    EXPECT_EQ(error_lines(r.err), 1) << r.err;
+    EXPECT_EQ(tree(dir_), before);
   }
   // --out missing entirely: nothing created.
   const fs::path fresh = dir_ / "fresh";
