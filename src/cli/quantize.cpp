@@ -12,10 +12,12 @@
 // agreed on before anything is created.
 //
 // int8_sq (INT8_SMOOTHQUANT_CFG) calibrates with SmoothQuant (alpha 1.0) instead of max;
-// nvfp4 (NVFP4_DEFAULT_CFG) needs every quantized Linear's in_features to be a multiple of its
-// blocks of 16 (checked before loading). --kv-cache fp8 adds modelopt's FP8_KV_CFG
-// (quant::add_kv_cache_rules) to any format. Not implemented yet (refused with one line, exit
-// 2): the formats int4_awq and w4a8_awq, expert parallelism (--ep), --param-dtype.
+// nvfp4 (NVFP4_DEFAULT_CFG) and int4_awq (INT4_AWQ_CFG) need every quantized Linear's
+// in_features to be a multiple of their blocks (16, 128; checked before loading). int4_awq
+// calibrates with AWQ-lite (two passes over the calibration data, three on the FSDP2-wrapped
+// model: the folded weights' block amax is taken in the third). --kv-cache fp8 adds modelopt's
+// FP8_KV_CFG (quant::add_kv_cache_rules) to any format. Not implemented yet (refused with one
+// line, exit 2): the format w4a8_awq, expert parallelism (--ep), --param-dtype.
 //
 // Progress: on a terminal rank 0 redraws one line per phase in place (held-out loss before,
 // calibrating, SmoothQuant's smoothing pass, held-out loss after, exporting) with a count of
@@ -28,6 +30,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -57,6 +60,7 @@ const std::map<std::string, std::string>& implemented_formats() {
   static const std::map<std::string, std::string> formats = {{"fp8", "FP8"},
                                                              {"int8", "W8A8_SQ_PER_CHANNEL"},
                                                              {"int8_sq", "W8A8_SQ_PER_CHANNEL"},
+                                                             {"int4_awq", "W4A16_AWQ"},
                                                              {"nvfp4", "NVFP4"}};
   return formats;
 }
@@ -64,24 +68,25 @@ const std::map<std::string, std::string>& implemented_formats() {
 // issue 28's other formats: named here so that they are refused as not implemented yet
 // rather than as unknown.
 const std::set<std::string>& planned_formats() {
-  static const std::set<std::string> formats = {"int4_awq", "w4a8_awq"};
+  static const std::set<std::string> formats = {"w4a8_awq"};
   return formats;
 }
 
 void check_format(const QuantizeOptions& o) {
   if (o.format.empty()) {
     throw InputError(
-        "--format is required: fp8, int8, int8_sq or nvfp4 (modelopt's FP8_DEFAULT_CFG, "
-        "INT8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG, NVFP4_DEFAULT_CFG)");
+        "--format is required: fp8, int8, int8_sq, int4_awq or nvfp4 (modelopt's "
+        "FP8_DEFAULT_CFG, INT8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG, INT4_AWQ_CFG, "
+        "NVFP4_DEFAULT_CFG)");
   }
   if (planned_formats().contains(o.format)) {
     throw InputError("--format " + o.format +
-                     " is not implemented yet; the implemented formats are fp8, int8, int8_sq and "
-                     "nvfp4");
+                     " is not implemented yet; the implemented formats are fp8, int8, int8_sq, "
+                     "int4_awq and nvfp4");
   }
   if (!implemented_formats().contains(o.format)) {
     throw InputError("unknown --format '" + o.format +
-                     "'; the formats are fp8, int8, int8_sq and nvfp4 (int4_awq and w4a8_awq are "
+                     "'; the formats are fp8, int8, int8_sq, int4_awq and nvfp4 (w4a8_awq is "
                      "not implemented yet)");
   }
   if (o.sq_alpha && o.format != "int8_sq") {
@@ -173,9 +178,16 @@ QuantizeInputs check_inputs(const QuantizeOptions& o) {
           "its attention layers and quantizes its fused experts unsmoothed, which mdist does not "
           "reproduce); use --format int8 or fp8");
     }
+    if (o.format == "int4_awq" && in.choice.config.moe) {
+      throw InputError(
+          "--format int4_awq is not supported for a mixture of experts yet (modelopt quantizes "
+          "its fused experts in a way mdist's per-expert layers do not reproduce); use --format "
+          "int8 or fp8");
+    }
     {
-      // Block formats (nvfp4) need whole blocks along every quantized Linear's inputs: checked
-      // on the model's shapes alone (the meta device), before anything is loaded.
+      // Block formats (int4_awq, nvfp4) need whole blocks along every quantized Linear's
+      // inputs: checked on the model's shapes alone (the meta device), before anything is
+      // loaded.
       hf::CausalLM shapes(in.choice.config, c10::kMeta);
       if (const auto problem =
               quant::block_size_problem(shapes, quant::QuantConfig::preset(o.format),
@@ -395,7 +407,7 @@ int run_quantize(const QuantizeOptions& o) {
       "), " +
       (config.algorithm == "smoothquant"
            ? "SmoothQuant (alpha " + flag_value(config.smoothquant_alpha) + ")"
-           : std::string("max")) +
+           : std::string(config.algorithm == "awq_lite" ? "AWQ-lite" : "max")) +
       (o.kv_cache.empty() ? std::string() : ", KV cache " + o.kv_cache) + " calibration on " +
       std::to_string(calib_total) + " sequences of " + std::to_string(o.io.seq_len) +
       " tokens from " + in.calib.description + ", " + describe_layout(layout));
@@ -433,12 +445,22 @@ int run_quantize(const QuantizeOptions& o) {
     // data-parallel group already includes that sequence, so the synced amax is unchanged.
     int passes = 0;
     const quant::ForwardLoop loop = [&](hf::CausalLM& m) {
-      // SmoothQuant runs the loop a second time, over the smoothed weights.
-      phase(passes++ == 0 ? "calibrating" : "smoothing pass", calib_total);
+      // SmoothQuant runs the loop a second time, over the smoothed weights; AWQ-lite a second
+      // time for its search (and a third on the FSDP2 model, for the folded weights' amax).
+      const bool awq = config.algorithm == "awq_lite";
+      phase(passes == 0   ? "calibrating"
+            : !awq        ? "smoothing pass"
+            : passes == 1 ? "AWQ search pass"
+                          : "AWQ weight amax pass",
+            calib_total);
+      ++passes;
       const Group dp = layout.parallel.data_parallel_group.group();
       const auto plan = train::plan_forwards(calib_total, mdist::size(dp), mdist::rank(dp), 1);
       for (int64_t round = 0; round < plan.rounds; ++round) {
         const bool real = round < static_cast<int64_t>(plan.windows.size());
+        // A repeat of the first sequence counts in no mean (AWQ's statistics).
+        std::optional<quant::UncountedForward> uncounted;
+        if (!real) uncounted.emplace();
         m->forward(
             batch_of(calib_windows, {real ? plan.windows[static_cast<std::size_t>(round)] : 0})
                 .to(device));

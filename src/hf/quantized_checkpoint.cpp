@@ -89,7 +89,7 @@ std::optional<CheckpointQuantization> checkpoint_quantization(const std::filesys
 
 bool is_readable(const CheckpointQuantization& q) {
   return (q.quant_algo == "FP8" || q.quant_algo == "W8A8_SQ_PER_CHANNEL" ||
-          q.quant_algo == "NVFP4") &&
+          q.quant_algo == "NVFP4" || q.quant_algo == "W4A16_AWQ") &&
          (!q.kv_cache_quant_algo || *q.kv_cache_quant_algo == "FP8");
 }
 
@@ -99,13 +99,13 @@ bool is_quantized_weight(const SafetensorsCheckpoint& checkpoint, const std::str
   if (!name.ends_with(".weight") || !checkpoint.contains(name)) return false;
   if (!checkpoint.contains(module_of(name) + ".weight_scale")) return false;
   const auto dtype = checkpoint.info(name).dtype;
-  return dtype == at::kFloat8_e4m3fn || dtype == at::kChar || is_nvfp4_weight(checkpoint, name);
+  return dtype == at::kFloat8_e4m3fn || dtype == at::kChar || dtype == at::kByte;
 }
 
 at::ScalarType stored_weight_dtype(const std::string& quant_algo) {
   if (quant_algo == "FP8") return at::kFloat8_e4m3fn;
   if (quant_algo == "W8A8_SQ_PER_CHANNEL") return at::kChar;
-  if (quant_algo == "NVFP4") return at::kByte;
+  if (quant_algo == "NVFP4" || quant_algo == "W4A16_AWQ") return at::kByte;
   throw Error("quant_algo " + quant_algo + " is not read back");
 }
 
@@ -117,10 +117,18 @@ bool is_nvfp4_weight(const SafetensorsCheckpoint& checkpoint, const std::string&
          checkpoint.contains(module + ".weight_scale_2");
 }
 
+bool is_int4_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name) {
+  return is_quantized_weight(checkpoint, name) && checkpoint.info(name).dtype == at::kByte &&
+         !is_nvfp4_weight(checkpoint, name);
+}
+
 std::vector<int64_t> model_shape(const SafetensorsCheckpoint& checkpoint, const std::string& name) {
   std::vector<int64_t> shape = checkpoint.info(name).shape;
-  // Two E2M1 codes per byte along the input dim.
-  if (is_nvfp4_weight(checkpoint, name) && !shape.empty()) shape.back() *= 2;
+  if (shape.empty()) return shape;
+  // NVFP4: two E2M1 codes per byte along the input dim; W4A16_AWQ: two int4 output rows per
+  // byte.
+  if (is_nvfp4_weight(checkpoint, name)) shape.back() *= 2;
+  else if (is_int4_weight(checkpoint, name)) shape.front() *= 2;
   return shape;
 }
 
@@ -137,8 +145,40 @@ bool is_quantization_scale(const SafetensorsCheckpoint& checkpoint, const std::s
   return is_quantized_weight(checkpoint, module_of(name) + ".weight");
 }
 
+namespace {
+
+// W4A16_AWQ: uint8 [out / 2, in], byte[r, c] = (q[2r, c] & 15) | (q[2r + 1, c] & 15) << 4
+// (modelopt's pack_int4_in_uint8), weight_scale fp32 [out, in / block]: rows
+// [first_row, first_row + rows) as q * scale of their block.
+at::Tensor dequantized_int4_rows(const SafetensorsCheckpoint& checkpoint, const std::string& name,
+                                 std::int64_t first_row, std::int64_t rows) {
+  const auto packed_shape = checkpoint.info(name).shape;
+  const std::string scale_name = module_of(name) + ".weight_scale";
+  const at::Tensor scale = checkpoint.tensor(scale_name).to(at::kFloat);
+  const std::int64_t out = 2 * packed_shape.front(), in = packed_shape.back();
+  if (packed_shape.size() != 2 || scale.dim() != 2 || scale.size(0) != out || scale.size(1) == 0 ||
+      in % scale.size(1) != 0) {
+    throw Error("'" + scale_name + "' has shape " + c10::str(scale.sizes()) + " for '" + name +
+                "' of packed shape " + c10::str(c10::IntArrayRef(packed_shape)) +
+                "; INT4 weights are read back with one scale per output row and block of inputs");
+  }
+  const std::int64_t first = rows < 0 ? 0 : first_row, count = rows < 0 ? out : rows;
+  const std::int64_t p0 = first / 2, p1 = (first + count + 1) / 2;
+  const at::Tensor bytes = checkpoint.read_rows(name, p0, p1 - p0).to(at::kInt);
+  const at::Tensor nibbles =
+      at::stack({bytes.bitwise_and(15), bytes.bitwise_right_shift(4).bitwise_and(15)}, 1)
+          .reshape({2 * (p1 - p0), in});
+  const at::Tensor codes =
+      at::where(nibbles >= 8, nibbles - 16, nibbles).narrow(0, first - 2 * p0, count);
+  return codes.to(at::kFloat) *
+         scale.narrow(0, first, count).repeat_interleave(in / scale.size(1), 1);
+}
+
+}  // namespace
+
 at::Tensor dequantized_rows(const SafetensorsCheckpoint& checkpoint, const std::string& name,
                             std::int64_t first_row, std::int64_t rows) {
+  if (is_int4_weight(checkpoint, name)) return dequantized_int4_rows(checkpoint, name, first_row, rows);
   const at::Tensor stored =
       rows < 0 ? checkpoint.tensor(name) : checkpoint.read_rows(name, first_row, rows);
   if (is_nvfp4_weight(checkpoint, name)) {

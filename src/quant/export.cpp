@@ -1,4 +1,4 @@
-// quant::export_hf_checkpoint: modelopt 0.47's unified HF checkpoint for FP8 and INT8.
+// quant::export_hf_checkpoint: modelopt 0.47's unified HF checkpoint for FP8, INT8, INT4 AWQ and NVFP4.
 #include "mdist/quant/export.h"
 
 #include <ATen/ATen.h>
@@ -21,40 +21,11 @@
 #include "mdist/io/atomic_file.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
+#include "src/quant/export_awq.h"
 #include "src/quant/nvfp4_export.h"
 
 namespace mdist::quant {
-namespace {
-
-using json = nlohmann::ordered_json;
-
-// modelopt's per-layer formats that this export writes (`get_quantization_format`).
-enum class LayerFormat { none, fp8, int8_sq, nvfp4 };
-
-const char* quant_algo(LayerFormat format) {
-  if (format == LayerFormat::nvfp4) return "NVFP4";
-  return format == LayerFormat::fp8 ? "FP8" : "W8A8_SQ_PER_CHANNEL";
-}
-
-LayerFormat layer_format(const QuantizedLinear& q) {
-  const bool weight = q.weight_quantizer->is_enabled();
-  const bool input = q.input_quantizer->is_enabled();
-  if (!weight && !input) return LayerFormat::none;
-  const QuantFormat& w = q.weight_quantizer->format();
-  const QuantFormat& x = q.input_quantizer->format();
-  if (weight && input && w == QuantFormat::fp8() && x == QuantFormat::fp8()) {
-    return LayerFormat::fp8;
-  }
-  if (weight && input && w == QuantFormat::int8_per_row() && x == QuantFormat::int8()) {
-    return LayerFormat::int8_sq;
-  }
-  if (weight && input && w == QuantFormat::nvfp4() && x == QuantFormat::nvfp4()) {
-    return LayerFormat::nvfp4;
-  }
-  throw Error("mdist::quant: export_hf_checkpoint: " + q.name + " is quantized as weight " +
-              (weight ? w.str() : "disabled") + ", input " + (input ? x.str() : "disabled") +
-              "; only the fp8, int8 and nvfp4 presets' layers can be exported yet");
-}
+namespace detail {
 
 // modelopt's TensorQuantizer.export_amax then `amax.float() / maxbound`
 // (quant_utils.get_scaling_factor): a zero or NaN amax becomes maxbound, then clamped to
@@ -73,6 +44,47 @@ at::Tensor scaling_factor(const at::Tensor& amax, double maxbound) {
   }
   sanitized = sanitized.clamp(tiny, top);
   return sanitized.to(at::kFloat) / maxbound;
+}
+
+}  // namespace detail
+namespace {
+
+using detail::scaling_factor;
+
+using json = nlohmann::ordered_json;
+
+// modelopt's per-layer formats that this export writes (`get_quantization_format`).
+enum class LayerFormat { none, fp8, int8_sq, nvfp4, int4_awq };
+
+const char* quant_algo(LayerFormat format) {
+  if (format == LayerFormat::int4_awq) return "W4A16_AWQ";
+  if (format == LayerFormat::nvfp4) return "NVFP4";
+  return format == LayerFormat::fp8 ? "FP8" : "W8A8_SQ_PER_CHANNEL";
+}
+
+LayerFormat layer_format(const QuantizedLinear& q) {
+  const bool weight = q.weight_quantizer->is_enabled();
+  const bool input = q.input_quantizer->is_enabled();
+  if (!weight && !input) return LayerFormat::none;
+  const QuantFormat& w = q.weight_quantizer->format();
+  const QuantFormat& x = q.input_quantizer->format();
+  // INT4_AWQ_CFG's weight-only layers (modelopt's int4_awq format: the AWQ pre_quant_scale).
+  if (weight && !input && w == QuantFormat::int4_blocks() &&
+      q.input_quantizer->pre_quant_scale().defined()) {
+    return LayerFormat::int4_awq;
+  }
+  if (weight && input && w == QuantFormat::fp8() && x == QuantFormat::fp8()) {
+    return LayerFormat::fp8;
+  }
+  if (weight && input && w == QuantFormat::int8_per_row() && x == QuantFormat::int8()) {
+    return LayerFormat::int8_sq;
+  }
+  if (weight && input && w == QuantFormat::nvfp4() && x == QuantFormat::nvfp4()) {
+    return LayerFormat::nvfp4;
+  }
+  throw Error("mdist::quant: export_hf_checkpoint: " + q.name + " is quantized as weight " +
+              (weight ? w.str() : "disabled") + ", input " + (input ? x.str() : "disabled") +
+              "; only the fp8, int8, int4_awq and nvfp4 presets' layers can be exported yet");
 }
 
 // The exported tensors of one quantized Linear (modelopt's `_export_quantized_weight` and
@@ -301,6 +313,11 @@ void write_files(hf::CausalLM& model, const std::map<std::string, at::Tensor>& t
   json quantization = {{"quant_algo", quant_algo(format)},
                        {"kv_cache_quant_algo", kv_cache ? json(*kv_cache) : json(nullptr)}};
   if (format == LayerFormat::nvfp4) quantization["group_size"] = 16;
+  if (format == LayerFormat::int4_awq) {  // modelopt's process_layer_quant_config for AWQ
+    quantization["group_size"] = QuantFormat::int4_blocks().block_size();
+    quantization["has_zero_point"] = false;
+    quantization["pre_quant_scale"] = true;
+  }
   quantization["exclude_modules"] = exclude;
   const json hf_quant = {{"producer", producer()}, {"quantization", quantization}};
   io::write_file_atomically(dir / "hf_quant_config.json", hf_quant.dump(4));
@@ -342,7 +359,7 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
           "mdist::quant: export_hf_checkpoint: layers are quantized in several formats "
           "(modelopt's MIXED_PRECISION); not supported yet");
     }
-    if (!q->input_quantizer->has_amax()) {
+    if (layer != LayerFormat::int4_awq && !q->input_quantizer->has_amax()) {
       throw Error("mdist::quant: export_hf_checkpoint: " + q->name +
                   ".input_quantizer has no amax (no calibration input reached it)");
     }
@@ -358,17 +375,32 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
   std::map<std::string, at::Tensor> weight_amax, input_amax;
   std::map<std::string, std::pair<at::Tensor, at::Tensor>> smoothing;  // 1 / s, s
   std::vector<std::string> order;
+  std::vector<detail::AwqLayer> awq;
   for (const auto& q : quantizers.linears()) {
     if (layer_format(*q) == LayerFormat::none) continue;
     order.push_back(q->name);
     weight_amax[q->name] = whole_weight_amax(*q, parallelism);
     input_amax[q->name] = q->input_quantizer->amax();
-    if (q->smoothing.defined()) {
+    if (layer_format(*q) == LayerFormat::int4_awq) {
+      awq.push_back(
+          {q->name,
+           q->smoothing.defined() ? whole_channels(*q, q->smoothing, parallelism) : at::Tensor(),
+           whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism)});
+    } else if (q->smoothing.defined()) {
       smoothing[q->name] = {whole_channels(*q, q->smoothing, parallelism),
                             whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism)};
     }
   }
   if (mdist::is_initialized() && !mdist::is_master()) return;
+  if (*format == LayerFormat::int4_awq) {
+    detail::export_int4_awq(awq, QuantFormat::int4_blocks().block_size(), tensors);
+    for (auto& [name, scale] : detail::kv_cache_scales(quantizers.attentions())) {
+      tensors[name] = std::move(scale);
+    }
+    write_files(model, tensors, *format, summarize_exclude_modules(unquantized, quantized),
+                kv_cache, dir);
+    return;
+  }
   // SmoothQuant: the smoothed weights (the model keeps its own), then modelopt's fused-layer
   // preprocessing, which only changes layers with a pre_quant_scale.
   std::map<std::string, Smoothed> smoothed;

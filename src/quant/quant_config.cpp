@@ -59,7 +59,9 @@ QuantFormat default_format(QuantizerRole role) {
   return role == QuantizerRole::weight ? QuantFormat::int8_per_row() : QuantFormat::int8();
 }
 
-std::vector<std::string> QuantConfig::preset_names() { return {"fp8", "int8", "int8_sq", "nvfp4"}; }
+std::vector<std::string> QuantConfig::preset_names() {
+  return {"fp8", "int8", "int8_sq", "int4_awq", "nvfp4"};
+}
 
 QuantConfig QuantConfig::preset(std::string_view name) {
   // FP8_DEFAULT_CFG: E4M3 per tensor, weights and inputs.
@@ -75,6 +77,14 @@ QuantConfig QuantConfig::preset(std::string_view name) {
   // NVFP4_DEFAULT_CFG: E2M1 in dynamic blocks of 16 with E4M3 block scales, weights and
   // inputs; max calibration gives each its per-tensor global amax.
   if (name == "nvfp4") return make_preset("nvfp4", QuantFormat::nvfp4(), QuantFormat::nvfp4());
+  // INT4_AWQ_CFG: INT4 weights in static blocks of 128, inputs off (their rule has no cfg: the
+  // default format, disabled), calibrated by AWQ-lite.
+  if (name == "int4_awq") {
+    QuantConfig config = make_preset("int4_awq", QuantFormat::int4_blocks(), QuantFormat::int8());
+    config.rules.at(2) = disable("*input_quantizer");
+    config.algorithm = "awq_lite";
+    return config;
+  }
   std::string known;
   for (const auto& preset : preset_names()) known += (known.empty() ? "" : ", ") + preset;
   throw InputError("mdist::quant: unknown quantization format '" + std::string(name) +

@@ -12,6 +12,7 @@
 #include "mdist/quant/block_check.h"
 #include "mdist/tp/collectives.h"
 #include "src/quant/amax_sync.h"
+#include "src/quant/awq.h"
 
 namespace mdist::quant {
 namespace {
@@ -140,6 +141,12 @@ ModelQuantizers::ModelQuantizers(hf::CausalLM& model, const QuantConfig& config)
         "smooths only its attention layers and quantizes its fused experts unsmoothed, which "
         "mdist's per-expert layers do not reproduce); quantize it with int8 or fp8");
   }
+  if (config_.algorithm == "awq_lite" && model_->config.moe) {
+    // modelopt 0.47 sees transformers 5's fused experts as no Linears (as for SmoothQuant).
+    throw InputError(
+        "mdist::quant: AWQ on a mixture of experts is not supported yet (modelopt quantizes "
+        "its fused experts in a way mdist's per-expert layers do not reproduce)");
+  }
   for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
     auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(item.value());
     if (!linear) continue;
@@ -171,7 +178,11 @@ void ModelQuantizers::install_hooks(QuantizedLinear& q) {
       nn::register_forward_pre_hook(*q.linear, [&q](torch::nn::Module&, nn::TensorRefs& inputs) {
         if (inputs.empty()) return;
         if (q.collect_channels) collect_channels(q, *inputs.front());
-        if (q.input_quantizer->is_enabled()) *inputs.front() = q.input_quantizer(*inputs.front());
+        // A disabled input quantizer with a pre_quant_scale (INT4 AWQ's weight-only layers)
+        // still scales the input, as modelopt's TensorQuantizer does before its disabled check.
+        if (q.input_quantizer->is_enabled() || q.input_quantizer->pre_quant_scale().defined()) {
+          *inputs.front() = q.input_quantizer(*inputs.front());
+        }
         if (!q.weight_quantizer->is_enabled()) return;
         if (q.weight_quantizer->mode() == Mode::calibrate) {
           q.weight_quantizer(q.linear->weight);  // collects; the weight stays as it is
@@ -319,9 +330,10 @@ void ModelQuantizers::sync_amax(const QuantizeOptions& options) {
 
 void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeOptions& options) {
   const bool smoothquant = config_.algorithm == "smoothquant";
-  if (config_.algorithm != "max" && !smoothquant) {
+  const bool awq = config_.algorithm == "awq_lite";
+  if (config_.algorithm != "max" && !smoothquant && !awq) {
     throw InputError("mdist::quant: calibration algorithm '" + config_.algorithm +
-                     "' is not supported (only 'max' and 'smoothquant')");
+                     "' is not supported (only 'max', 'smoothquant' and 'awq_lite')");
   }
   // modelopt's SmoothQuantCalibConfig.alpha: ge=0, le=1 (NaN fails both).
   const double alpha = config_.smoothquant_alpha;
@@ -336,6 +348,10 @@ void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeO
   if (smoothquant && !forward_loop) {
     throw InputError("mdist::quant: SmoothQuant needs a forward loop (calibration data)");
   }
+  if (awq) {
+    calibrate_awq(forward_loop, options, weights_from_forward);
+    return;
+  }
   for (const auto& q : linears_) {
     q->collect_channels =
         smoothquant && q->input_quantizer->is_enabled() && q->weight_quantizer->is_enabled();
@@ -348,6 +364,23 @@ void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeO
   sync_amax(options);
   set_mode(Mode::quantize);
   if (smoothquant) smooth(forward_loop, options, weights_from_forward);
+}
+
+// modelopt's awq_lite on every Linear with an enabled weight quantizer (src/quant/awq.h).
+void ModelQuantizers::calibrate_awq(const ForwardLoop& forward_loop, const QuantizeOptions& options,
+                                    bool weights_from_forward) {
+  std::vector<QuantizedLinear*> linears;
+  std::vector<bool> column_parallel;
+  for (const auto& q : linears_) {
+    if (!q->weight_quantizer->is_enabled()) continue;
+    if (q->input_quantizer->is_enabled()) {
+      throw InputError("mdist::quant: AWQ with quantized inputs (" + q->name +
+                       ") is not supported yet; only weight-only INT4 AWQ is");
+    }
+    linears.push_back(q.get());
+    column_parallel.push_back(tp_split(options.parallelism, q->name) == TpSplit::column);
+  }
+  detail::awq_lite(model_, linears, column_parallel, forward_loop, options, weights_from_forward);
 }
 
 // modelopt's smoothquant `postprocess` and `apply_pre_quant_scale_and_smooth`, per Linear

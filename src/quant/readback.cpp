@@ -33,27 +33,15 @@ std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& mod
   const c10::Device device = model->parameters().front().device();
   for (const auto& q : quantizers->linears()) {
     q->weight_quantizer->set_mode(TensorQuantizerImpl::Mode::disabled);
-    const std::string key = q->name + ".input_scale";
-    if (!checkpoint.contains(key) || !hf::detail::is_quantization_scale(checkpoint, key)) {
-      q->input_quantizer->set_mode(TensorQuantizerImpl::Mode::disabled);
-      continue;
-    }
-    const at::Tensor scale = checkpoint.tensor(key).to(at::kFloat);
-    if (scale.numel() != 1) {
-      throw Error("mdist::quant: checkpoint '" + dir.string() + "': " + key + " has " +
-                  std::to_string(scale.numel()) + " values; one per tensor is read back");
-    }
     TensorQuantizer& input = q->input_quantizer;
-    // fp32, on the device the model computes on (the fake quant meets its inputs there).
-    // input_scale = amax / maxbound; NVFP4's is the global scale amax / (6 * 448) under which
-    // the E4M3 block scales are computed at run time.
-    const double unit = input->format().is_nvfp4() ? input->format().maxbound() * 448.0
-                                                   : input->format().maxbound();
-    input->set_amax((scale.reshape({}) * unit).to(device));
-    // SmoothQuant (INT8_SMOOTHQUANT_CFG's export): the input is multiplied by s before its
-    // quantizer, as the smoothed weights stored here expect.
+    input->set_mode(TensorQuantizerImpl::Mode::disabled);
+    // SmoothQuant (INT8_SMOOTHQUANT_CFG's export) and AWQ (W4A16_AWQ: o_proj and down_proj,
+    // the others folded into the norms): the input is multiplied by the pre_quant_scale first,
+    // as the smoothed or folded weights stored here expect, also where the input itself is not
+    // quantized (a disabled quantizer still applies it).
     const std::string smoothing = q->name + ".pre_quant_scale";
-    if (checkpoint.contains(smoothing)) {
+    if (checkpoint.contains(smoothing) &&
+        hf::detail::is_quantization_scale(checkpoint, smoothing)) {
       const at::Tensor pre_quant_scale = checkpoint.tensor(smoothing);
       if (pre_quant_scale.dim() != 1 || pre_quant_scale.size(0) != q->linear->weight.size(1)) {
         throw Error("mdist::quant: checkpoint '" + dir.string() + "': " + smoothing +
@@ -63,6 +51,19 @@ std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& mod
       }
       input->set_pre_quant_scale(pre_quant_scale.to(device));
     }
+    const std::string key = q->name + ".input_scale";
+    if (!checkpoint.contains(key) || !hf::detail::is_quantization_scale(checkpoint, key)) continue;
+    const at::Tensor scale = checkpoint.tensor(key).to(at::kFloat);
+    if (scale.numel() != 1) {
+      throw Error("mdist::quant: checkpoint '" + dir.string() + "': " + key + " has " +
+                  std::to_string(scale.numel()) + " values; one per tensor is read back");
+    }
+    // fp32, on the device the model computes on (the fake quant meets its inputs there).
+    // input_scale = amax / maxbound; NVFP4's is the global scale amax / (6 * 448) under which
+    // the E4M3 block scales are computed at run time.
+    const double unit = input->format().is_nvfp4() ? input->format().maxbound() * 448.0
+                                                   : input->format().maxbound();
+    input->set_amax((scale.reshape({}) * unit).to(device));
     input->set_mode(TensorQuantizerImpl::Mode::quantize);
   }
   // FP8 KV cache: keys and values fake-quantized with amax = k_scale / v_scale x 448 (fp32),

@@ -19,8 +19,11 @@
 
 namespace mdist::quant::testing {
 
+// "llama" -> fixtures/ptq_llama; the AWQ fixtures (make_awq_fixtures.py) are named in full,
+// "awq_llama".
 inline std::filesystem::path fixture_dir(const std::string& arch) {
-  return std::filesystem::path(MDIST_QUANT_FIXTURES) / ("ptq_" + arch);
+  const auto root = std::filesystem::path(MDIST_QUANT_FIXTURES);
+  return arch.starts_with("awq_") ? root / arch : root / ("ptq_" + arch);
 }
 
 class PtqFixture {

@@ -1,10 +1,13 @@
 #pragma once
 // Reading a quantized Hugging Face checkpoint in modelopt's unified format (what modelopt
-// 0.47's export_hf_checkpoint and mdist::quant::export_hf_checkpoint write) for FP8
-// (float8_e4m3fn weight, 0-d fp32 weight_scale), W8A8_SQ_PER_CHANNEL (int8 weight, fp32
-// weight_scale per output row) and NVFP4 (uint8 weight [out, in / 2], two E2M1 codes per byte
-// along the input dim, float8_e4m3fn weight_scale [out, in / 16] per block of 16, 0-d fp32
-// weight_scale_2).
+// 0.47's export_hf_checkpoint and mdist::quant::export_hf_checkpoint write) for the formats
+// whose weights this loader dequantizes: FP8 (float8_e4m3fn weight, 0-d fp32 weight_scale),
+// W8A8_SQ_PER_CHANNEL (int8 weight, fp32 weight_scale per output row), NVFP4 (uint8 weight
+// [out, in / 2], two E2M1 codes per byte along the input dim, float8_e4m3fn weight_scale
+// [out, in / 16] per block of 16, 0-d fp32 weight_scale_2) and W4A16_AWQ (two int4 output rows
+// per uint8, fp32 weight_scale per row and block of 128 inputs; the AWQ pre_quant_scale of
+// o_proj / down_proj is applied by the quantization layer, q/k/v's and gate/up's are folded
+// into the norms' weights by the export).
 //
 // At this layer a quantized weight is read back dequantized: W = weight.float() * weight_scale
 // (per row for int8; E2M1 value * weight_scale.float() * weight_scale_2 per block for NVFP4, as
@@ -16,7 +19,7 @@
 //
 // A KV-cache quantization of kv_cache_quant_algo FP8 is read too: its `k_proj.k_scale` /
 // `v_proj.v_scale` are skipped here and applied by apply_checkpoint_quantization. Other
-// quant_algo values (W4A16_AWQ, ...) and other KV-cache algorithms are refused
+// quant_algo values (W4A8_AWQ, ...) and other KV-cache algorithms are refused
 // (check_checkpoint throws naming them): their weights are packed or their scales apply where
 // this loader does not apply them, so loading them as plain weights would be wrong silently.
 #include <ATen/core/Tensor.h>
@@ -45,20 +48,23 @@ std::optional<CheckpointQuantization> checkpoint_quantization(const std::filesys
 // Whether this loader reads `q` (FP8 or W8A8_SQ_PER_CHANNEL, no KV-cache algorithm or FP8); the
 // quant_algo values it reads, for messages.
 bool is_readable(const CheckpointQuantization& q);
-inline constexpr const char* kReadableQuantAlgos = "FP8, W8A8_SQ_PER_CHANNEL, NVFP4";
+inline constexpr const char* kReadableQuantAlgos = "FP8, W8A8_SQ_PER_CHANNEL, NVFP4, W4A16_AWQ";
 
 namespace detail {
 
-// `name` (".weight") is stored as float8_e4m3fn or int8 with a `<module>.weight_scale` beside it,
-// or packed NVFP4 (is_nvfp4_weight).
+// `name` (".weight") is stored as float8_e4m3fn, int8 or (INT4 packed) uint8 with a
+// `<module>.weight_scale` beside it, or packed NVFP4 (is_nvfp4_weight).
 bool is_quantized_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name);
 // The dtype a quantized weight is stored in under a readable quant_algo (float8_e4m3fn, int8,
-// uint8 for NVFP4's packed codes); Error for another quant_algo.
+// uint8 for NVFP4's and W4A16_AWQ's packed codes); Error for another quant_algo.
 at::ScalarType stored_weight_dtype(const std::string& quant_algo);
 // `name` is an NVFP4 weight: uint8 [out, in / 2] with `weight_scale` and `weight_scale_2`.
 bool is_nvfp4_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name);
+// `name` is a W4A16_AWQ weight: uint8 [out / 2, in] with a `weight_scale` and no
+// `weight_scale_2`.
+bool is_int4_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name);
 // The shape of the model parameter `name` holds: the stored shape, or [out, in] for a packed
-// NVFP4 weight.
+// NVFP4 ([out, in / 2]) or INT4 ([out / 2, in]) weight.
 std::vector<int64_t> model_shape(const SafetensorsCheckpoint& checkpoint, const std::string& name);
 // `name` is the weight_scale, weight_scale_2 (NVFP4), input_scale or (SmoothQuant)
 // pre_quant_scale of a module whose weight is quantized, or a KV-cache scale

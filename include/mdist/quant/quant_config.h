@@ -51,8 +51,9 @@ struct QuantConfig {
   // modelopt's preset names, lower case, as `mdist quantize --format` will take them:
   // "fp8" (FP8_DEFAULT_CFG), "int8" (INT8_DEFAULT_CFG), "int8_sq" (INT8_SMOOTHQUANT_CFG:
   // int8's quantizers, algorithm "smoothquant"), "nvfp4" (NVFP4_DEFAULT_CFG: E2M1 weights and
-  // inputs in dynamic blocks of 16 with E4M3 block scales). Throws InputError naming the known
-  // presets for any other name.
+  // inputs in dynamic blocks of 16 with E4M3 block scales), "int4_awq" (INT4_AWQ_CFG: INT4
+  // weights in blocks of 128, inputs off, algorithm "awq_lite"). Throws InputError naming the
+  // known presets for any other name.
   static QuantConfig preset(std::string_view name);
   // The names preset() knows.
   static std::vector<std::string> preset_names();
@@ -63,7 +64,7 @@ struct QuantConfig {
 
   std::string name;              // the preset's name ("fp8"), or the user's
   std::vector<QuantRule> rules;  // in order; later rules win
-  // "max" or "smoothquant" (modelopt's `algorithm` names).
+  // "max", "smoothquant" or "awq_lite" (modelopt's `algorithm` names).
   std::string algorithm = "max";
   // SmoothQuant's migration strength (modelopt's SmoothQuantCalibConfig.alpha): the smoothing
   // scale is max|W_c|^(1 - alpha) / max|x_c|^alpha, alpha in [0, 1] as modelopt accepts it

@@ -52,6 +52,12 @@
 // group). A model wrapped by fully_shard runs the forward loop a second time for that. A
 // quantized Linear the loop never reached is an Error (modelopt leaves it unsmoothed).
 //
+// AWQ-lite (algorithm "awq_lite", modelopt's `awq_lite`, INT4_AWQ_CFG): the weight-only INT4
+// Linears get an input pre_quant_scale 1/s chosen by a search over alpha and their weights
+// folded as (W * s) in the weights' dtype (QuantizedLinear::smoothing), block amax taken from
+// the folded weight; see src/quant/awq.h for the arithmetic and the sync rules. A disabled input
+// quantizer still applies its pre_quant_scale, as modelopt's.
+//
 // Not covered (Errors, or documented in docs/quantization.md): a tied head whose quantizers the
 // configuration enables (the tied head is no Linear module in mdist), calibration algorithms
 // other than max and smoothquant, expert parallelism.
@@ -89,6 +95,18 @@ struct QuantizeOptions {
 };
 
 class ModelQuantizers;
+
+// While one is alive, the forwards of this thread feed no calibration statistic that counts
+// forwards (AWQ's means and losses): for a forward a rank runs only to keep collectives in step
+// with the others (FSDP2's gathers), a sequence that another rank already calibrates on. Max
+// calibration still sees it (a maximum is unchanged by a repeat).
+class UncountedForward {
+ public:
+  UncountedForward();
+  ~UncountedForward();
+  UncountedForward(const UncountedForward&) = delete;
+  UncountedForward& operator=(const UncountedForward&) = delete;
+};
 
 // Inserts the quantizers `config` enables into `model`, calibrates them on `forward_loop` and
 // turns fake quant on. Collective over the groups of `options` (every rank calls it). Throws
@@ -161,6 +179,8 @@ class ModelQuantizers {
   void sync_amax(const QuantizeOptions& options);
   void smooth(const ForwardLoop& forward_loop, const QuantizeOptions& options,
               bool weights_from_forward);
+  void calibrate_awq(const ForwardLoop& forward_loop, const QuantizeOptions& options,
+                     bool weights_from_forward);
 
   hf::CausalLM model_;
   QuantConfig config_;

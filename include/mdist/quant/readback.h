@@ -1,6 +1,6 @@
 #pragma once
 // Reading a quantized checkpoint back as the quantized model it describes (issue 28, item 6):
-// modelopt's unified HF export (FP8, W8A8_SQ_PER_CHANNEL, NVFP4), modelopt's own or
+// modelopt's unified HF export (FP8, W8A8_SQ_PER_CHANNEL, NVFP4, W4A16_AWQ), modelopt's own or
 // quant::export_hf_checkpoint's.
 //
 //   hf::ParallelModel built = hf::load_pretrained_fsdp2(dir, options);  // weights dequantized
@@ -16,7 +16,9 @@
 // quantize mode), through the same ModelQuantizers hooks quant::quantize installs. A Linear
 // without one (the exclude_modules: lm_head, routers) stays unquantized. A SmoothQuant export
 // (INT8_SMOOTHQUANT_CFG: its weights are smoothed, W / s) also holds `pre_quant_scale` (s) per
-// Linear: the input quantizer multiplies its input by it first, as modelopt's does. Under
+// Linear: the input quantizer multiplies its input by it first, as modelopt's does. An INT4 AWQ
+// export (W4A16_AWQ: weight-only) has no input_scale; its o_proj and down_proj hold the AWQ
+// pre_quant_scale, applied the same way by their (disabled) input quantizers. Under
 // tensor parallelism a row-parallel Linear holds part of the input channels: a pre_quant_scale
 // there is refused (Error naming the sizes), not split.
 //
@@ -39,8 +41,8 @@ namespace mdist::quant {
 // quantization. A kv_cache_quant_algo FP8 also puts k/v quantizers (E4M3, amax = k_scale /
 // v_scale x 448, frozen) on every attention: keys and values fake-quantized in every forward,
 // generate's cache included. Throws Error for a quant_algo other than FP8,
-// W8A8_SQ_PER_CHANNEL and NVFP4, for another KV-cache algorithm, for a missing k/v scale and
-// for a scale that is not one value. Not collective.
+// W8A8_SQ_PER_CHANNEL, NVFP4 and W4A16_AWQ, for another KV-cache algorithm, for a missing k/v
+// scale and for a scale that is not one value. Not collective.
 std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& model,
                                                                const std::filesystem::path& dir);
 
