@@ -23,6 +23,7 @@
 #include "src/cli/progress.h"
 #include "src/cli/run_dir.h"
 #include "src/cli/sft_data.h"
+#include "src/cli/train_quant.h"
 #include "src/cli/watchdog.h"
 
 namespace mdist::cli {
@@ -48,7 +49,8 @@ nlohmann::json run_flags(const TrainOptions& o, const std::string& data, const M
           {"expert_parallel", o.io.expert_parallel},
           {"param_dtype", o.io.param_dtype.empty() ? "weights" : o.io.param_dtype},
           {"router_aux_loss_coef", o.router_aux_loss_coef ? nlohmann::json(*o.router_aux_loss_coef)
-                                                          : nlohmann::json("config")}};
+                                                          : nlohmann::json("config")},
+          {"quant", describe_qat(o)}};
 }
 
 void check_resume_flags(const nlohmann::json& saved, const nlohmann::json& now,
@@ -102,6 +104,8 @@ struct TrainInputs {
   std::set<int> fault_steps;
   std::vector<std::string> warnings;
   std::optional<MixedPrecisionPolicy> mp_policy;
+  // --quant with --calib-data: the calibration data (else the training data's windows).
+  std::optional<TokenStream> calib_data;
 };
 
 const std::string& data_description(const TrainInputs& in) {
@@ -163,6 +167,15 @@ void find_held_out_data(const TrainOptions& o, TrainInputs& in) {
 // A resumed run: its flags must fit the checkpoint, which must be before --steps (or, under
 // --resume auto, the run is complete) and hold valid optimizer state.
 void check_resumed(const TrainOptions& o, TrainInputs& in) {
+  // A quantization-aware run's quantizers are not in its checkpoints yet: resuming it (with or
+  // without --quant, which check_quant_flags refuses with --resume) would train another model.
+  const nlohmann::json& saved = in.resumed->run;
+  if (saved.contains("quant") && saved["quant"] != "none") {
+    throw InputError("--resume: " + in.resume_from->string() +
+                     " is a checkpoint of quantization-aware training (--quant " +
+                     saved["quant"].get<std::string>() +
+                     "), whose quantizers the checkpoints do not hold yet; it cannot be resumed");
+  }
   check_resume_flags(in.resumed->run, run_flags(o, data_description(in), in.model),
                      *in.resume_from);
   in.model.description = in.resume_from->string() + " (resumed)";
@@ -203,6 +216,17 @@ TrainInputs check_inputs(const TrainOptions& o) {
     check_not_quantized(in.model, "train");
     check_tensor_parallel(o.io.tensor_parallel, in.model.config);
     check_expert_parallel(o.io.expert_parallel, o.io.tensor_parallel, in.model.config);
+    if (!o.quant.empty() && in.model.config.moe) {
+      throw InputError(
+          "--quant: quantization-aware training of a mixture of experts is not "
+          "supported yet");
+    }
+    if (o.calib_data) {
+      ModelDataOptions calib = o.io;
+      calib.data = o.calib_data;
+      calib.split = "all";
+      in.calib_data = load_checked_data(calib, DataSplit::all, in.model, "train --calib-data");
+    }
     if (o.io.sft()) {
       in.sft = load_checked_sft(*o.io.data, o.io, in.model);
     } else {
@@ -391,6 +415,25 @@ int run_train(const TrainOptions& o) {
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
   hf::ParallelModel built =
       build_wrapped_model(in.model, o.io.seed, layout, in.mp_policy, activation_checkpointing(o));
+  // --quant: the quantizers, calibrated before anything is written (a calibration that fails
+  // leaves the run directory as it was); they outlive the trainer, whose forwards they hook.
+  std::unique_ptr<quant::ModelQuantizers> quantizers;
+  std::string qat_line;
+  if (!o.quant.empty()) {
+    std::optional<Windows> calib_windows;
+    if (in.calib_data) calib_windows.emplace(*in.calib_data, o.io.seq_len, "train --calib-data");
+    const Windows& calib = calib_windows ? *calib_windows : *windows;
+    const QatCalibration calibration{
+        .windows = calib,
+        .description = in.calib_data ? in.calib_data->description : in.data.description,
+        .sequences = calibration_sequences(o, calib)};
+    quantizers =
+        start_quantization_aware_training(o, built.model, built.parallelism, layout, calibration);
+    qat_line = "mdist train: quantization-aware training, --quant " + o.quant + " (" +
+               qat_config(o).name + " preset, max calibration on the first " +
+               std::to_string(calibration.sequences) + " sequences of " + calibration.description +
+               ", amax frozen from step 1), backward " + o.quant_backward;
+  }
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
   // the same directory gets one line naming this one's pid). Taken once the model is known to
   // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.
@@ -413,6 +456,7 @@ int run_train(const TrainOptions& o) {
                     in.resumed ? std::optional<int>(trainer.state().step) : std::nullopt);
   }
   log_start(o, in, layout, trainer, data, held_out);
+  if (!qat_line.empty()) say(qat_line);
   run_steps(o, in, trainer, held_out, metrics);
   if (metrics) finish(o, in, trainer, *metrics);
   return 0;
