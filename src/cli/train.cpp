@@ -167,14 +167,19 @@ void find_held_out_data(const TrainOptions& o, TrainInputs& in) {
 // A resumed run: its flags must fit the checkpoint, which must be before --steps (or, under
 // --resume auto, the run is complete) and hold valid optimizer state.
 void check_resumed(const TrainOptions& o, TrainInputs& in) {
-  // A quantization-aware run's quantizers are not in its checkpoints yet: resuming it (with or
-  // without --quant, which check_quant_flags refuses with --resume) would train another model.
+  // QAT: the quantizers come from the checkpoint, calibrated as its run was; a run resumes
+  // with the --quant flags it started with (describe_qat), QAT or not.
   const nlohmann::json& saved = in.resumed->run;
-  if (saved.contains("quant") && saved["quant"] != "none") {
-    throw InputError("--resume: " + in.resume_from->string() +
-                     " is a checkpoint of quantization-aware training (--quant " +
-                     saved["quant"].get<std::string>() +
-                     "), whose quantizers the checkpoints do not hold yet; it cannot be resumed");
+  const std::string saved_quant =
+      saved.contains("quant") ? saved["quant"].get<std::string>() : std::string("none");
+  if (saved_quant != describe_qat(o)) {
+    throw InputError("--resume: --quant is " + describe_qat(o) + " but the checkpoint " +
+                     in.resume_from->string() + " was trained with --quant " + saved_quant +
+                     "; resume with the --quant flags the run started with");
+  }
+  if (!o.quant.empty() && !fs::exists(*in.resume_from / kQatStateFile)) {
+    throw InputError("--resume: the checkpoint " + in.resume_from->string() +
+                     " of quantization-aware training has no " + kQatStateFile);
   }
   check_resume_flags(in.resumed->run, run_flags(o, data_description(in), in.model),
                      *in.resume_from);
@@ -308,9 +313,9 @@ void log_start(const TrainOptions& o, const TrainInputs& in, const JobLayout& la
 }
 
 // The run's loop: steps, their metrics and progress, held-out losses and checkpoints.
-void run_steps(const TrainOptions& o, const TrainInputs& in, train::Trainer& trainer,
+void run_steps(const TrainOptions& o, train::Trainer& trainer,
                const std::optional<train::SequenceSource>& held_out,
-               std::optional<train::MetricsWriter>& metrics) {
+               std::optional<train::MetricsWriter>& metrics, const std::vector<fs::path>& carried) {
   Progress progress(stdout, o.log_every);
   StepWatchdog watchdog(std::chrono::milliseconds(static_cast<int64_t>(o.watchdog_s * 1000)));
   const train::StepMetricsFields fields{.aux_loss = trainer.loss().reports_aux_loss(),
@@ -360,7 +365,7 @@ void run_steps(const TrainOptions& o, const TrainInputs& in, train::Trainer& tra
                       format_number("%.3f", std::exp(held.mean())));
       }
     }
-    if (save) trainer.save(o.out, o.keep, tokenizer_files(in.model));
+    if (save) trainer.save(o.out, o.keep, carried);
   }
   progress.finish();
 }
@@ -419,7 +424,13 @@ int run_train(const TrainOptions& o) {
   // leaves the run directory as it was); they outlive the trainer, whose forwards they hook.
   std::unique_ptr<quant::ModelQuantizers> quantizers;
   std::string qat_line;
-  if (!o.quant.empty()) {
+  if (!o.quant.empty() && in.resumed) {
+    quantizers =
+        resume_quantization_aware_training(o, built.model, built.parallelism, *in.resume_from);
+    qat_line = "mdist train: quantization-aware training, --quant " + o.quant +
+               ": the quantizers of " + (*in.resume_from / kQatStateFile).string() +
+               " (amax as calibrated when the run started), backward " + o.quant_backward;
+  } else if (!o.quant.empty()) {
     std::optional<Windows> calib_windows;
     if (in.calib_data) calib_windows.emplace(*in.calib_data, o.io.seq_len, "train --calib-data");
     const Windows& calib = calib_windows ? *calib_windows : *windows;
@@ -443,12 +454,20 @@ int run_train(const TrainOptions& o) {
   });
   if (rank() == 0 && in.replace_earlier) remove_earlier_run(o.out);
   const hf::LlamaConfig config = built.model->config;
+  const hf::Parallelism built_parallelism = built.parallelism;  // the trainer takes `built`
   const double aux_weight = train::aux_loss_weight(config, o.router_aux_loss_coef);
   auto loss = std::make_unique<train::CausalLmLoss>(config, aux_weight);
   train::Trainer trainer(std::move(built), layout.parallel, data,
                          trainer_options(o, in.fault_steps), std::move(loss),
                          run_flags(o, data_description(in), in.model));
   if (rank() == 0) fs::create_directories(o.out);
+  // The quantizers' state, frozen for the run: in the run directory, copied into every
+  // checkpoint beside the tokenizer files.
+  std::vector<fs::path> carried = tokenizer_files(in.model);
+  if (quantizers) {
+    save_qat_state(*quantizers, built_parallelism, o, o.out / kQatStateFile);
+    carried.push_back(o.out / kQatStateFile);
+  }
   if (in.resumed) trainer.resume(*in.resume_from, *in.resumed);
   std::optional<train::MetricsWriter> metrics;
   if (rank() == 0) {
@@ -457,7 +476,7 @@ int run_train(const TrainOptions& o) {
   }
   log_start(o, in, layout, trainer, data, held_out);
   if (!qat_line.empty()) say(qat_line);
-  run_steps(o, in, trainer, held_out, metrics);
+  run_steps(o, trainer, held_out, metrics, carried);
   if (metrics) finish(o, in, trainer, *metrics);
   return 0;
 }

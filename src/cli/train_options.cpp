@@ -212,11 +212,6 @@ void check_quant_flags(const TrainOptions& o) {
     throw InputError("--quant with --param-dtype " + o.io.param_dtype +
                      ": quantization-aware training computes in the weights' dtype only yet");
   }
-  if (o.resume != ResumeMode::off) {
-    throw InputError(
-        "--quant with --resume: the quantizers' state is not in the checkpoints yet, so a "
-        "quantization-aware run cannot be resumed exactly");
-  }
 }
 
 }  // namespace mdist::cli

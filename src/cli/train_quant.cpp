@@ -4,7 +4,11 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <map>
 
+#include "mdist/error.h"
+#include "mdist/hf/safetensors.h"
+#include "mdist/quant/export.h"
 #include "mdist/runtime/device.h"
 #include "mdist/runtime/runtime.h"
 #include "mdist/train/forward_split.h"
@@ -45,6 +49,50 @@ std::unique_ptr<quant::ModelQuantizers> start_quantization_aware_training(
   };
   return quant::quantize(model, qat_config(o), loop,
                          {.parallel = layout.parallel, .parallelism = parallelism});
+}
+
+void save_qat_state(const quant::ModelQuantizers& quantizers, const hf::Parallelism& parallelism,
+                    const TrainOptions& o, const std::filesystem::path& path) {
+  const auto amax = quant::whole_amax_state_dict(quantizers, parallelism);
+  if (rank() != 0) return;
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& [name, value] : amax) tensors.emplace(name, value.detach().cpu().contiguous());
+  hf::save_safetensors(path, tensors,
+                       {{"format", "mdist.qat_quantizers.v1"}, {"quant", describe_qat(o)}});
+}
+
+std::unique_ptr<quant::ModelQuantizers> resume_quantization_aware_training(
+    const TrainOptions& o, hf::CausalLM& model, const hf::Parallelism& parallelism,
+    const std::filesystem::path& checkpoint) {
+  const hf::SafetensorsFile file(checkpoint / kQatStateFile);
+  auto quantizers = std::make_unique<quant::ModelQuantizers>(model, qat_config(o));
+  const c10::Device device = compute_device();
+  for (const auto& q : quantizers->linears()) {
+    for (auto* quantizer : {&q->input_quantizer, &q->weight_quantizer}) {
+      if (!(*quantizer)->is_enabled()) continue;
+      const bool weight = quantizer == &q->weight_quantizer;
+      const std::string key =
+          q->name + (weight ? ".weight_quantizer._amax" : ".input_quantizer._amax");
+      if (!file.contains(key)) {
+        // An input no calibration token reached has no amax (it quantizes with its input's
+        // own max, as modelopt's); a weight always has one.
+        if (weight)
+          throw Error("mdist train: " + (checkpoint / kQatStateFile).string() + " has no " + key);
+        continue;
+      }
+      at::Tensor amax = file.tensor(key);
+      if (weight && parallelism.tensor_parallel_split() &&
+          (*quantizer)->format().axis() == quant::Axis::per_row) {
+        // quantize() keeps a column-parallel per-row weight amax per shard: this rank's rows.
+        const auto placement = parallelism.tensor_parallel->placement(q->name + ".weight");
+        if (placement.split == hf::TensorParallelPlacement::Split::kRows) {
+          amax = amax.narrow(0, placement.offset, placement.length);
+        }
+      }
+      (*quantizer)->set_amax(amax.to(device));
+    }
+  }
+  return quantizers;
 }
 
 std::string describe_qat(const TrainOptions& o) {

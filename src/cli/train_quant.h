@@ -7,6 +7,7 @@
 // and every training forward fake-quantizes inputs and weights, the gradient passing through
 // fake quant as --quant-backward says. The model's parameters stay the fp32 master weights.
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -37,6 +38,23 @@ quant::QuantConfig qat_config(const TrainOptions& options);
 std::unique_ptr<quant::ModelQuantizers> start_quantization_aware_training(
     const TrainOptions& options, hf::CausalLM& model, const hf::Parallelism& parallelism,
     const JobLayout& layout, const QatCalibration& calibration);
+
+// Where the quantizers' state lives: the run directory holds it from the start (its amax is
+// frozen), every checkpoint carries a copy. safetensors: "<quantizer name>._amax" as
+// quant::whole_amax_state_dict gives them (whole over tensor parallelism), metadata "quant" =
+// describe_qat.
+inline constexpr const char* kQatStateFile = "qat_quantizers.safetensors";
+
+// Writes the quantizers' state into `path` (rank 0). Collective over the tensor-parallel group.
+void save_qat_state(const quant::ModelQuantizers& quantizers, const hf::Parallelism& parallelism,
+                    const TrainOptions& options, const std::filesystem::path& path);
+
+// A resumed QAT run: the quantizers of `options` inserted into `model` with the amax of
+// `checkpoint`'s kQatStateFile (this rank's rows of a column-parallel per-row weight amax), no
+// calibration. Error when the file lacks a weight quantizer's amax.
+std::unique_ptr<quant::ModelQuantizers> resume_quantization_aware_training(
+    const TrainOptions& options, hf::CausalLM& model, const hf::Parallelism& parallelism,
+    const std::filesystem::path& checkpoint);
 
 // The run's metadata entry (run_flags' "quant"): the format, the backward, the calibration.
 // "none" for a run without --quant.

@@ -160,6 +160,65 @@ TEST_F(QatCommand, TensorParallelMatchesModelopt) {
   }
 }
 
+// Resumed in the middle of QAT (the quantizers from the checkpoint, no calibration): the
+// losses and weights of the uninterrupted run, on the same layout and on another one.
+TEST_F(QatCommand, ResumeContinuesTheUninterruptedRun) {
+  const std::vector<std::string> flags = {
+      "--quant", "int8", "--calib-sequences", "6", "--save-every", "2", "--keep", "5"};
+  const fs::path whole = dir_ / "whole";
+  {
+    const auto r = mdist(1, qat_args(whole, flags));
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+  }
+  ASSERT_TRUE(fs::exists(whole / "checkpoints" / "step-00000002" / "qat_quantizers.safetensors"));
+  for (const auto& [ranks, tp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " rank(s), tp " + std::to_string(tp) + " resumed");
+    // The same run stopped after its step-2 checkpoint.
+    const fs::path cut = dir_ / ("cut" + std::to_string(ranks) + "-tp" + std::to_string(tp));
+    fs::copy(whole, cut, fs::copy_options::recursive);
+    fs::remove_all(cut / "checkpoints" / "step-00000004");
+    fs::remove_all(cut / "checkpoints" / "step-00000005");
+    std::ofstream(cut / "checkpoints" / "latest") << "step-00000002\n";
+    // A calibration here would see other weights: the resumed run must not calibrate.
+    const auto r = mdist(
+        ranks, without_model(qat_args(cut, with(flags, {"--resume", "--tp", std::to_string(tp)}))));
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_THAT(r.out,
+                HasSubstr("the quantizers of " + (cut / "checkpoints" / "step-00000002").string()));
+    const auto expected = metrics(whole), resumed = metrics(cut);
+    ASSERT_EQ(resumed.size(), expected.size());
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      const double want = expected[i]["loss"].get<double>();
+      EXPECT_LE(std::abs(resumed[i]["loss"].get<double>() - want), 1e-6 * std::abs(want))
+          << "step " << i + 1;
+    }
+    const hf::SafetensorsFile a(whole / "checkpoints" / "step-00000005" / "model.safetensors");
+    const hf::SafetensorsFile b(cut / "checkpoints" / "step-00000005" / "model.safetensors");
+    ASSERT_EQ(a.names(), b.names());
+    double worst = 0;
+    for (const auto& name : a.names()) {
+      worst = std::max(worst, (a.tensor(name) - b.tensor(name)).abs().max().item<double>());
+    }
+    EXPECT_LE(worst, 1e-6);
+    std::cout << "[ measured ] resumed at step 2 on " << ranks << " rank(s), tp " << tp
+              << ": weights within " << worst << " of the uninterrupted run" << std::endl;
+  }
+
+  // A QAT checkpoint without its quantizers: refused, nothing written.
+  const fs::path broken = dir_ / "broken";
+  fs::copy(whole, broken, fs::copy_options::recursive);
+  fs::remove(broken / "checkpoints" / "step-00000005" / "qat_quantizers.safetensors");
+  std::ofstream(broken / "checkpoints" / "latest") << "step-00000005\n";
+  const auto before = tree(broken);
+  const auto r =
+      mdist(1, without_model(qat_args(broken, with(flags, {"--resume", "--steps", "6"}))));
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("of quantization-aware training has no qat_quantizers.safetensors"))
+      << describe(r);
+  EXPECT_EQ(error_lines(r.err), 1) << r.err;
+  EXPECT_EQ(tree(broken), before);
+}
+
 TEST_F(QatCommand, BadInputIsOneLineAndWritesNothing) {
   const fs::path out = dir_ / "out";
   const fs::path moe = qwen3_moe_model("moe", 4);
@@ -196,7 +255,9 @@ TEST_F(QatCommand, BadInputIsOneLineAndWritesNothing) {
             {}),
        "quantization-aware training of a mixture of experts is not supported yet"},
       {1, without_model(qat_args(plain, {"--quant", "fp8", "--resume", "--steps", "4"})),
-       "--quant with --resume"},
+       "--resume: --quant is fp8 (backward pass-through, 64 calibration sequences of the "
+       "training data) but the checkpoint " +
+           (plain / "checkpoints" / "step-00000002").string() + " was trained with --quant none"},
   };
   const auto before = tree(dir_);
   for (const auto& c : cases) {
@@ -219,7 +280,9 @@ TEST_F(QatCommand, BadInputIsOneLineAndWritesNothing) {
   const auto qat_before = tree(dir_);
   const auto r = mdist(1, without_model(qat_args(qat, {"--steps", "4", "--resume"})));
   EXPECT_EQ(r.exit_code, 2) << describe(r);
-  EXPECT_THAT(r.err, HasSubstr("is a checkpoint of quantization-aware training (--quant int8"))
+  EXPECT_THAT(r.err, HasSubstr("--resume: --quant is none but the checkpoint " +
+                               (qat / "checkpoints" / "step-00000002").string() +
+                               " was trained with --quant int8 (backward pass-through"))
       << describe(r);
   EXPECT_EQ(error_lines(r.err), 1) << r.err;
   EXPECT_EQ(tree(dir_), qat_before);
