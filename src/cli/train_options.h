@@ -51,7 +51,8 @@ struct TrainOptions {
   // Quantization-aware training (docs/quantization.md): --quant fp8|int8 ("" : off), calibrated
   // once before step 1 on --calib-sequences windows (0: all) of --calib-data (default: the
   // training data's first windows in file order); --quant-backward: modelopt's
-  // pass_through_bwd (pass-through, its default) or the clipped STE.
+  // pass_through_bwd (pass-through, its default) or the clipped STE. A resumed QAT run takes its
+  // checkpoint's quantizers and must repeat these flags.
   std::string quant;
   std::int64_t calib_sequences = 64;
   std::optional<std::filesystem::path> calib_data;

@@ -6,6 +6,8 @@
 // data-parallel ranks, amax synced over data and tensor parallel); their amax then stays frozen
 // and every training forward fake-quantizes inputs and weights, the gradient passing through
 // fake quant as --quant-backward says. The model's parameters stay the fp32 master weights.
+// The amax goes into the run directory and every checkpoint (kQatStateFile); a resumed run
+// takes it from there instead of calibrating again, so it continues the same training.
 #include <cstdint>
 #include <filesystem>
 #include <memory>

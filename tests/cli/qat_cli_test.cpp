@@ -6,6 +6,8 @@
 //  - the 5 losses (1e-5 relative) and every parameter after the last step (1e-5) on 1 and 2
 //    data-parallel ranks (FSDP2: the weight quantizer sees the gathered weight) and tp 2;
 //  - modelopt's default pass-through backward and the clipped STE (--quant-backward clipped);
+//  - --resume in the middle of QAT (the checkpoint's quantizers, no calibration) equal to the
+//    uninterrupted run on 1 rank, 2 ranks and tp 2 (1e-6);
 //  - the run's metadata names the format; bad input: one line, exit 2, nothing written.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
