@@ -78,6 +78,11 @@ void declare_train_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--eval-max-sequences", o.eval_max_sequences,
                  "Held-out sequences per evaluation (0: all)")
       ->capture_default_str();
+  app.add_option("--quant", o.quant,
+                 "Quantization-aware training: calibrate fp8 or int8 quantizers (modelopt's "
+                 "FP8_DEFAULT_CFG / INT8_DEFAULT_CFG, max calibration) before step 1, then train "
+                 "the fake-quantized model with its amax frozen")
+      ->type_name("FORMAT");
   auto* calib_sequences =
       app.add_option("--calib-sequences", o.calib_sequences,
                      "With --quant: calibration sequences of --seq-len tokens (0: all windows of "
@@ -89,11 +94,6 @@ void declare_train_flags(CLI::App& app, TrainOptions& o) {
                      "pass_through_bwd) or clipped (zero where |x| > amax)")
           ->capture_default_str()
           ->type_name("MODE");
-  app.add_option("--quant", o.quant,
-                 "Quantization-aware training: calibrate fp8 or int8 quantizers (modelopt's "
-                 "FP8_DEFAULT_CFG / INT8_DEFAULT_CFG, max calibration) before step 1, then train "
-                 "the fake-quantized model with its amax frozen")
-      ->type_name("FORMAT");
   app.add_option("--calib-data", o.calib_data,
                  "With --quant: calibration data (same --data-format; all of the file); default: "
                  "the training data's first windows in file order")
