@@ -85,7 +85,8 @@ std::optional<std::string> earlier_run(const fs::path& run_dir) {
 }
 
 void remove_earlier_run(const fs::path& run_dir) {
-  for (const char* name : {"metrics.jsonl", "loss.svg", "checkpoints"}) {
+  for (const char* name :
+       {"metrics.jsonl", "loss.svg", "checkpoints", "qat_quantizers.safetensors"}) {
     std::error_code ec;
     fs::remove_all(run_dir / name, ec);
     if (ec) {

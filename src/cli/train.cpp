@@ -23,6 +23,7 @@
 #include "src/cli/progress.h"
 #include "src/cli/run_dir.h"
 #include "src/cli/sft_data.h"
+#include "src/cli/train_quant.h"
 #include "src/cli/watchdog.h"
 
 namespace mdist::cli {
@@ -48,7 +49,8 @@ nlohmann::json run_flags(const TrainOptions& o, const std::string& data, const M
           {"expert_parallel", o.io.expert_parallel},
           {"param_dtype", o.io.param_dtype.empty() ? "weights" : o.io.param_dtype},
           {"router_aux_loss_coef", o.router_aux_loss_coef ? nlohmann::json(*o.router_aux_loss_coef)
-                                                          : nlohmann::json("config")}};
+                                                          : nlohmann::json("config")},
+          {"quant", describe_qat(o)}};
 }
 
 void check_resume_flags(const nlohmann::json& saved, const nlohmann::json& now,
@@ -102,6 +104,8 @@ struct TrainInputs {
   std::set<int> fault_steps;
   std::vector<std::string> warnings;
   std::optional<MixedPrecisionPolicy> mp_policy;
+  // --quant with --calib-data: the calibration data (else the training data's windows).
+  std::optional<TokenStream> calib_data;
 };
 
 const std::string& data_description(const TrainInputs& in) {
@@ -163,6 +167,20 @@ void find_held_out_data(const TrainOptions& o, TrainInputs& in) {
 // A resumed run: its flags must fit the checkpoint, which must be before --steps (or, under
 // --resume auto, the run is complete) and hold valid optimizer state.
 void check_resumed(const TrainOptions& o, TrainInputs& in) {
+  // QAT: the quantizers come from the checkpoint, calibrated as its run was; a run resumes
+  // with the --quant flags it started with (describe_qat), QAT or not.
+  const nlohmann::json& saved = in.resumed->run;
+  const std::string saved_quant =
+      saved.contains("quant") ? saved["quant"].get<std::string>() : std::string("none");
+  if (saved_quant != describe_qat(o)) {
+    throw InputError("--resume: --quant is " + describe_qat(o) + " but the checkpoint " +
+                     in.resume_from->string() + " was trained with --quant " + saved_quant +
+                     "; resume with the --quant flags the run started with");
+  }
+  if (!o.quant.empty() && !fs::exists(*in.resume_from / kQatStateFile)) {
+    throw InputError("--resume: the checkpoint " + in.resume_from->string() +
+                     " of quantization-aware training has no " + kQatStateFile);
+  }
   check_resume_flags(in.resumed->run, run_flags(o, data_description(in), in.model),
                      *in.resume_from);
   in.model.description = in.resume_from->string() + " (resumed)";
@@ -203,6 +221,17 @@ TrainInputs check_inputs(const TrainOptions& o) {
     check_not_quantized(in.model, "train");
     check_tensor_parallel(o.io.tensor_parallel, in.model.config);
     check_expert_parallel(o.io.expert_parallel, o.io.tensor_parallel, in.model.config);
+    if (!o.quant.empty() && in.model.config.moe) {
+      throw InputError(
+          "--quant: quantization-aware training of a mixture of experts is not "
+          "supported yet");
+    }
+    if (o.calib_data) {
+      ModelDataOptions calib = o.io;
+      calib.data = o.calib_data;
+      calib.split = "all";
+      in.calib_data = load_checked_data(calib, DataSplit::all, in.model, "train --calib-data");
+    }
     if (o.io.sft()) {
       in.sft = load_checked_sft(*o.io.data, o.io, in.model);
     } else {
@@ -284,9 +313,9 @@ void log_start(const TrainOptions& o, const TrainInputs& in, const JobLayout& la
 }
 
 // The run's loop: steps, their metrics and progress, held-out losses and checkpoints.
-void run_steps(const TrainOptions& o, const TrainInputs& in, train::Trainer& trainer,
+void run_steps(const TrainOptions& o, train::Trainer& trainer,
                const std::optional<train::SequenceSource>& held_out,
-               std::optional<train::MetricsWriter>& metrics) {
+               std::optional<train::MetricsWriter>& metrics, const std::vector<fs::path>& carried) {
   Progress progress(stdout, o.log_every);
   StepWatchdog watchdog(std::chrono::milliseconds(static_cast<int64_t>(o.watchdog_s * 1000)));
   const train::StepMetricsFields fields{.aux_loss = trainer.loss().reports_aux_loss(),
@@ -336,7 +365,7 @@ void run_steps(const TrainOptions& o, const TrainInputs& in, train::Trainer& tra
                       format_number("%.3f", std::exp(held.mean())));
       }
     }
-    if (save) trainer.save(o.out, o.keep, tokenizer_files(in.model));
+    if (save) trainer.save(o.out, o.keep, carried);
   }
   progress.finish();
 }
@@ -391,6 +420,31 @@ int run_train(const TrainOptions& o) {
   const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
   hf::ParallelModel built =
       build_wrapped_model(in.model, o.io.seed, layout, in.mp_policy, activation_checkpointing(o));
+  // --quant: the quantizers, calibrated before anything is written (a calibration that fails
+  // leaves the run directory as it was); they outlive the trainer, whose forwards they hook.
+  std::unique_ptr<quant::ModelQuantizers> quantizers;
+  std::string qat_line;
+  if (!o.quant.empty() && in.resumed) {
+    quantizers =
+        resume_quantization_aware_training(o, built.model, built.parallelism, *in.resume_from);
+    qat_line = "mdist train: quantization-aware training, --quant " + o.quant +
+               ": the quantizers of " + (*in.resume_from / kQatStateFile).string() +
+               " (amax as calibrated when the run started), backward " + o.quant_backward;
+  } else if (!o.quant.empty()) {
+    std::optional<Windows> calib_windows;
+    if (in.calib_data) calib_windows.emplace(*in.calib_data, o.io.seq_len, "train --calib-data");
+    const Windows& calib = calib_windows ? *calib_windows : *windows;
+    const QatCalibration calibration{
+        .windows = calib,
+        .description = in.calib_data ? in.calib_data->description : in.data.description,
+        .sequences = calibration_sequences(o, calib)};
+    quantizers =
+        start_quantization_aware_training(o, built.model, built.parallelism, layout, calibration);
+    qat_line = "mdist train: quantization-aware training, --quant " + o.quant + " (" +
+               qat_config(o).name + " preset, max calibration on the first " +
+               std::to_string(calibration.sequences) + " sequences of " + calibration.description +
+               ", amax frozen from step 1), backward " + o.quant_backward;
+  }
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
   // the same directory gets one line naming this one's pid). Taken once the model is known to
   // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.
@@ -400,12 +454,20 @@ int run_train(const TrainOptions& o) {
   });
   if (rank() == 0 && in.replace_earlier) remove_earlier_run(o.out);
   const hf::LlamaConfig config = built.model->config;
+  const hf::Parallelism built_parallelism = built.parallelism;  // the trainer takes `built`
   const double aux_weight = train::aux_loss_weight(config, o.router_aux_loss_coef);
   auto loss = std::make_unique<train::CausalLmLoss>(config, aux_weight);
   train::Trainer trainer(std::move(built), layout.parallel, data,
                          trainer_options(o, in.fault_steps), std::move(loss),
                          run_flags(o, data_description(in), in.model));
   if (rank() == 0) fs::create_directories(o.out);
+  // The quantizers' state, frozen for the run: in the run directory, copied into every
+  // checkpoint beside the tokenizer files.
+  std::vector<fs::path> carried = tokenizer_files(in.model);
+  if (quantizers) {
+    save_qat_state(*quantizers, built_parallelism, o, o.out / kQatStateFile);
+    carried.push_back(o.out / kQatStateFile);
+  }
   if (in.resumed) trainer.resume(*in.resume_from, *in.resumed);
   std::optional<train::MetricsWriter> metrics;
   if (rank() == 0) {
@@ -413,7 +475,8 @@ int run_train(const TrainOptions& o) {
                     in.resumed ? std::optional<int>(trainer.state().step) : std::nullopt);
   }
   log_start(o, in, layout, trainer, data, held_out);
-  run_steps(o, in, trainer, held_out, metrics);
+  if (!qat_line.empty()) say(qat_line);
+  run_steps(o, trainer, held_out, metrics, carried);
   if (metrics) finish(o, in, trainer, *metrics);
   return 0;
 }

@@ -78,9 +78,31 @@ void declare_train_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--eval-max-sequences", o.eval_max_sequences,
                  "Held-out sequences per evaluation (0: all)")
       ->capture_default_str();
+  app.add_option("--quant", o.quant,
+                 "Quantization-aware training: calibrate fp8 or int8 quantizers (modelopt's "
+                 "FP8_DEFAULT_CFG / INT8_DEFAULT_CFG, max calibration) before step 1, then train "
+                 "the fake-quantized model with its amax frozen")
+      ->type_name("FORMAT");
+  auto* calib_sequences =
+      app.add_option("--calib-sequences", o.calib_sequences,
+                     "With --quant: calibration sequences of --seq-len tokens (0: all windows of "
+                     "the calibration data)")
+          ->capture_default_str();
+  auto* quant_backward =
+      app.add_option("--quant-backward", o.quant_backward,
+                     "With --quant: the gradient of fake quant, pass-through (modelopt's default "
+                     "pass_through_bwd) or clipped (zero where |x| > amax)")
+          ->capture_default_str()
+          ->type_name("MODE");
+  app.add_option("--calib-data", o.calib_data,
+                 "With --quant: calibration data (same --data-format; all of the file); default: "
+                 "the training data's first windows in file order")
+      ->type_name("FILE");
   app.footer("\nExample: mdistrun --nproc-per-node 2 mdist train --steps 600 --out runs/long");
 
-  app.callback([&o] {
+  app.callback([&o, calib_sequences, quant_backward] {
+    o.calib_sequences_given = calib_sequences->count() > 0;
+    o.quant_backward_given = quant_backward->count() > 0;
     o.resume = o.resume_flag.empty()     ? ResumeMode::off
                : o.resume_flag == "auto" ? ResumeMode::automatic
                                          : ResumeMode::always;
@@ -145,6 +167,50 @@ void check_train_flags(const TrainOptions& o, int world) {
   }
   if (o.resume != ResumeMode::off && o.overwrite) {
     throw InputError("--resume and --overwrite exclude each other");
+  }
+  check_quant_flags(o);
+}
+
+void check_quant_flags(const TrainOptions& o) {
+  if (o.quant.empty()) {
+    const char* needs_quant = o.calib_data              ? "--calib-data"
+                              : o.calib_sequences_given ? "--calib-sequences"
+                              : o.quant_backward_given  ? "--quant-backward"
+                                                        : nullptr;
+    if (needs_quant != nullptr) {
+      throw InputError(std::string(needs_quant) +
+                       " applies to quantization-aware training only: add --quant fp8|int8");
+    }
+    return;
+  }
+  if (o.quant == "int8_sq" || o.quant == "int4_awq" || o.quant == "w4a8_awq" ||
+      o.quant == "nvfp4") {
+    throw InputError("--quant " + o.quant +
+                     " is not supported by train yet; quantization-aware training takes fp8 or "
+                     "int8");
+  }
+  if (o.quant != "fp8" && o.quant != "int8") {
+    throw InputError("unknown --quant '" + o.quant +
+                     "'; quantization-aware training takes fp8 or int8 (modelopt's "
+                     "FP8_DEFAULT_CFG, INT8_DEFAULT_CFG)");
+  }
+  if (o.quant_backward != "pass-through" && o.quant_backward != "clipped") {
+    throw InputError("--quant-backward must be pass-through or clipped, got '" + o.quant_backward +
+                     "'");
+  }
+  check_at_least(o.calib_sequences, 0, "--calib-sequences");
+  if (o.io.expert_parallel != 1) {
+    throw InputError("--quant with --ep " + std::to_string(o.io.expert_parallel) +
+                     ": quantization-aware training does not support expert parallelism yet");
+  }
+  if (o.io.sft()) {
+    throw InputError(
+        "--quant with --format sft: quantization-aware training takes language-modelling data "
+        "only yet");
+  }
+  if (!o.io.param_dtype.empty()) {
+    throw InputError("--quant with --param-dtype " + o.io.param_dtype +
+                     ": quantization-aware training computes in the weights' dtype only yet");
   }
 }
 

@@ -48,11 +48,24 @@ struct TrainOptions {
   std::string activation_checkpointing = "none";
   std::optional<std::int64_t> ac_every;
   std::string resume_flag;  // --resume as given ("" when absent); sets `resume` after parsing
+  // Quantization-aware training (docs/quantization.md): --quant fp8|int8 ("" : off), calibrated
+  // once before step 1 on --calib-sequences windows (0: all) of --calib-data (default: the
+  // training data's first windows in file order); --quant-backward: modelopt's
+  // pass_through_bwd (pass-through, its default) or the clipped STE. A resumed QAT run takes its
+  // checkpoint's quantizers and must repeat these flags.
+  std::string quant;
+  std::int64_t calib_sequences = 64;
+  std::optional<std::filesystem::path> calib_data;
+  std::string quant_backward = "pass-through";
+  bool calib_sequences_given = false;  // set after parsing: --calib-sequences was on the line
+  bool quant_backward_given = false;   // set after parsing: --quant-backward was on the line
 };
 
 void declare_train_flags(CLI::App& app, TrainOptions& options);
 // The flags alone (ranges, exclusions, sizes against the world of `world` ranks), in the order
 // they are reported: InputError naming the first bad one.
 void check_train_flags(const TrainOptions& options, int world);
+// The --quant flags alone (part of check_train_flags).
+void check_quant_flags(const TrainOptions& options);
 
 }  // namespace mdist::cli

@@ -23,8 +23,9 @@ using Mode = TensorQuantizerImpl::Mode;
 // parent_class rules compare against them. Every quantizer here belongs to a Linear.
 constexpr const char* kLinearClass = "nn.Linear";
 
-TensorQuantizer make_quantizer(const ResolvedQuantizer& resolved) {
-  TensorQuantizer quantizer(resolved.format);
+TensorQuantizer make_quantizer(const ResolvedQuantizer& resolved, bool pass_through_bwd) {
+  TensorQuantizer quantizer(resolved.format,
+                            TensorQuantizerOptions{.pass_through_bwd = pass_through_bwd});
   // An enabled quantizer starts as modelopt's does after set_quantizer_by_cfg: quantizing,
   // with no amax yet (its input's own max).
   quantizer->set_mode(resolved.enabled ? Mode::quantize : Mode::disabled);
@@ -154,9 +155,11 @@ ModelQuantizers::ModelQuantizers(hf::CausalLM& model, const QuantConfig& config)
     quantized->name = item.key();
     quantized->linear = std::move(linear);
     quantized->input_quantizer = make_quantizer(
-        config_.resolve(item.key() + ".input_quantizer", kLinearClass, QuantizerRole::input));
+        config_.resolve(item.key() + ".input_quantizer", kLinearClass, QuantizerRole::input),
+        config_.pass_through_bwd);
     quantized->weight_quantizer = make_quantizer(
-        config_.resolve(item.key() + ".weight_quantizer", kLinearClass, QuantizerRole::weight));
+        config_.resolve(item.key() + ".weight_quantizer", kLinearClass, QuantizerRole::weight),
+        config_.pass_through_bwd);
     install_hooks(*quantized);
     linears_.push_back(std::move(quantized));
   }

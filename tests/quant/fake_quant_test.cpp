@@ -3,6 +3,7 @@
 // modelopt function produced it). Everything is compared bit for bit (torch::equal and the
 // same dtype): the C++ side repeats modelopt's op sequence, so no tolerance is needed.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
@@ -365,6 +366,85 @@ TEST(FakeQuant, IntegerRanges) {
                    at::tensor({-128.0F, -128.0F, 0.0F, 127.0F, 127.0F})));
   EXPECT_TRUE(same(mdist::quant::fake_quant(x, amax, QuantFormat::integer(8, false, true)),
                    at::tensor({-127.0F, -127.0F, 0.0F, 127.0F, 127.0F})));
+}
+
+// The straight-through estimator, per format, independently of modelopt's fixture: with the
+// clipped backward the input gradient is the output gradient exactly where |x| <= amax (the
+// element's own amax: per tensor, per row, per block; NVFP4 the global amax) and exactly 0
+// where |x| > amax; with the pass-through backward it is the output gradient everywhere. The
+// inputs hold elements exactly at +-amax (kept), just beyond (zeroed) and far beyond.
+struct SteCase {
+  const char* name;
+  QuantFormat format;
+  at::Tensor x;      // [rows, cols]
+  at::Tensor amax;   // as the format takes it
+  at::Tensor bound;  // amax broadcast to x's shape
+};
+
+std::vector<SteCase> ste_cases() {
+  const auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
+  const auto input = [&](int64_t rows, int64_t cols) { return at::randn({rows, cols}, gen) * 2.0; };
+  std::vector<SteCase> cases;
+  {
+    at::Tensor x = input(4, 32);
+    const at::Tensor amax = at::scalar_tensor(1.5F);
+    x[0][0] = 1.5F;
+    x[0][1] = -1.5F;
+    x[0][2] = std::nextafter(1.5F, 2.0F);
+    x[0][3] = -7.0F;
+    cases.push_back({"fp8 per tensor", QuantFormat::fp8(), x, amax, amax.expand_as(x)});
+    cases.push_back({"int8 per tensor", QuantFormat::int8(), x, amax, amax.expand_as(x)});
+  }
+  {
+    at::Tensor x = input(4, 32);
+    const at::Tensor amax = at::tensor({0.5F, 1.0F, 2.0F, 4.0F}).reshape({4, 1});
+    x[1][0] = 1.0F;
+    x[1][1] = std::nextafter(-1.0F, -2.0F);
+    x[3][5] = -4.0F;
+    cases.push_back({"int8 per row", QuantFormat::int8_per_row(), x, amax, amax.expand_as(x)});
+  }
+  {
+    // Two rows of 256: four blocks of 128, one amax each (row-major).
+    at::Tensor x = input(2, 256);
+    const at::Tensor amax = at::tensor({0.75F, 3.0F, 1.25F, 0.25F});
+    x[0][127] = 0.75F;
+    x[0][128] = std::nextafter(3.0F, 4.0F);
+    x[1][255] = -0.25F;
+    const at::Tensor bound = amax.reshape({4, 1}).expand({4, 128}).reshape({2, 256});
+    cases.push_back({"int4 blocks of 128", QuantFormat::int4_blocks(), x, amax, bound});
+  }
+  {
+    at::Tensor x = input(2, 32);
+    const at::Tensor amax = at::scalar_tensor(2.5F);
+    x[0][0] = 2.5F;
+    x[1][31] = std::nextafter(-2.5F, -3.0F);
+    cases.push_back({"nvfp4 global amax", QuantFormat::nvfp4(), x, amax, amax.expand_as(x)});
+  }
+  return cases;
+}
+
+TEST(Ste, ClippedZeroExactlyBeyondAmaxPassThroughIdentity) {
+  for (const auto& c : ste_cases()) {
+    SCOPED_TRACE(c.name);
+    const at::Tensor inside = c.x.abs() <= c.bound;
+    // Both kinds of element are present, so the test can fail either way.
+    ASSERT_TRUE(inside.any().item<bool>());
+    ASSERT_TRUE(inside.logical_not().any().item<bool>());
+    const at::Tensor grad_out =
+        at::randn(c.x.sizes(), at::make_generator<at::CPUGeneratorImpl>(5)) + 3.0;  // none 0
+    for (const auto backward :
+         {mdist::quant::Backward::clipped, mdist::quant::Backward::pass_through}) {
+      const at::Tensor x = c.x.clone().requires_grad_(true);
+      const at::Tensor y = mdist::quant::fake_quant_ste(x, c.amax, c.format, backward);
+      // The forward is fake_quant's.
+      EXPECT_TRUE(same(y.detach(), mdist::quant::fake_quant(c.x, c.amax, c.format)));
+      y.backward(grad_out);
+      const at::Tensor expected = backward == mdist::quant::Backward::clipped
+                                      ? at::where(inside, grad_out, at::zeros_like(grad_out))
+                                      : grad_out;
+      EXPECT_TRUE(same(x.grad(), expected));
+    }
+  }
 }
 
 }  // namespace

@@ -70,6 +70,10 @@ struct QuantConfig {
   // scale is max|W_c|^(1 - alpha) / max|x_c|^alpha, alpha in [0, 1] as modelopt accepts it
   // (quantize() throws InputError otherwise). Only read by "smoothquant".
   double smoothquant_alpha = 1.0;
+  // modelopt's `pass_through_bwd` for every quantizer the rules create (its default, true: the
+  // gradient passes through fake quant unchanged; false: the clipped STE, zero where
+  // |x| > amax). Only training reads it.
+  bool pass_through_bwd = true;
 };
 
 // modelopt 0.47's `_base_disable_all`: {"*": enable false}.

@@ -1,0 +1,294 @@
+// `mdist train --quant` (quantization-aware training) end to end through mdistrun, against
+// modelopt 0.47's QAT on the fixture of tests/quant/make_qat_fixtures.py: mtq.quantize with
+// FP8_DEFAULT_CFG / INT8_DEFAULT_CFG (max calibration on the training data's first 6 windows,
+// one per forward), then 5 steps of a plain torch AdamW loop with mdist train's schedule,
+// clipping and data order, on the tiny fp32 Llama of fixtures/ptq_llama (biases, tied head).
+//  - the 5 losses (1e-5 relative) and every parameter after the last step (1e-5) on 1 and 2
+//    data-parallel ranks (FSDP2: the weight quantizer sees the gathered weight) and tp 2;
+//  - modelopt's default pass-through backward and the clipped STE (--quant-backward clipped);
+//  - --resume in the middle of QAT (the checkpoint's quantizers, no calibration) equal to the
+//    uninterrupted run on 1 rank, 2 ranks and tp 2 (1e-6);
+//  - the run's metadata names the format; bad input: one line, exit 2, nothing written.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "mdist/hf/safetensors.h"
+#include "tests/cli/mdist_command.h"
+
+namespace mdist::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+const fs::path kModel = fs::path(MDIST_QUANT_FIXTURES) / "ptq_llama";
+const fs::path kExpected = fs::path(MDIST_QUANT_FIXTURES) / "qat_llama" / "expected.safetensors";
+
+class QatCommand : public MdistCommand {
+ protected:
+  // The fixture's training windows as a .u32 token file, in file order.
+  fs::path train_data() {
+    const fs::path path = dir_ / "train.u32";
+    if (fs::exists(path)) return path;
+    const hf::SafetensorsFile file(kExpected);
+    const at::Tensor ids = file.tensor("train_ids").to(at::kInt).contiguous().flatten();
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(ids.data_ptr<int32_t>()),
+              static_cast<std::streamsize>(ids.numel() * sizeof(int32_t)));
+    return path;
+  }
+
+  // The fixture's flags (make_qat_fixtures.py's constants), then `more`.
+  std::vector<std::string> qat_args(const fs::path& out, const std::vector<std::string>& more) {
+    return with({"train",
+                 "--model",
+                 kModel.string(),
+                 "--data",
+                 train_data().string(),
+                 "--seq-len",
+                 "16",
+                 "--global-batch",
+                 "4",
+                 "--steps",
+                 "5",
+                 "--lr",
+                 "1e-3",
+                 "--warmup",
+                 "2",
+                 "--seed",
+                 "3",
+                 "--eval-every",
+                 "0",
+                 "--save-every",
+                 "0",
+                 "--log-every",
+                 "1",
+                 "--out",
+                 out.string()},
+                more);
+  }
+
+  // `args` without --model (a resumed run's model is its checkpoint).
+  static std::vector<std::string> without_model(std::vector<std::string> args) {
+    const auto at = std::find(args.begin(), args.end(), "--model");
+    if (at != args.end()) args.erase(at, at + 2);
+    return args;
+  }
+
+  // Runs the case ("fp8", "int8_clipped", ...) on `ranks` and compares with modelopt's run.
+  void expect_matches_modelopt(const std::string& name, int ranks,
+                               const std::vector<std::string>& more = {}) {
+    const std::string format = name.substr(0, name.find('_'));
+    const bool clipped = name.ends_with("_clipped");
+    const fs::path out =
+        dir_ / (name + "-" + std::to_string(ranks) + "-" + (more.empty() ? "dp" : more.back()));
+    std::vector<std::string> flags = {"--quant", format, "--calib-sequences", "6"};
+    if (clipped) flags.insert(flags.end(), {"--quant-backward", "clipped"});
+    flags.insert(flags.end(), more.begin(), more.end());
+    const auto r = mdist(ranks, qat_args(out, flags));
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_THAT(r.out, HasSubstr("mdist train: quantization-aware training, --quant " + format));
+
+    const hf::SafetensorsFile expected(kExpected);
+    const at::Tensor losses = expected.tensor(name + ".losses");
+    const auto steps = metrics(out);
+    ASSERT_EQ(static_cast<int64_t>(steps.size()), losses.numel());
+    double worst_loss = 0;
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      const double want = losses[static_cast<int64_t>(i)].item<double>();
+      worst_loss =
+          std::max(worst_loss, std::abs(steps[i]["loss"].get<double>() - want) / std::abs(want));
+    }
+    EXPECT_LE(worst_loss, 1e-5);
+
+    const hf::SafetensorsFile trained(out / "checkpoints" / "step-00000005" / "model.safetensors");
+    double worst_weight = 0;
+    int compared = 0;
+    for (const auto& key : expected.names()) {
+      if (!key.starts_with(name + ".") || key.ends_with("._amax") || key.ends_with(".losses"))
+        continue;
+      const std::string param = key.substr(name.size() + 1);
+      if (!trained.contains(param)) {
+        ADD_FAILURE() << param << " missing from the checkpoint";
+        continue;
+      }
+      const at::Tensor want = expected.tensor(key).to(at::kDouble);
+      const at::Tensor got = trained.tensor(param).to(at::kDouble);
+      ASSERT_EQ(got.sizes(), want.sizes()) << param;
+      worst_weight = std::max(worst_weight, (got - want).abs().max().item<double>());
+      ++compared;
+    }
+    EXPECT_GT(compared, 10);
+    EXPECT_LE(worst_weight, 1e-5);
+    std::cout << "[ measured ] " << name << " on " << ranks << " rank(s)"
+              << (more.empty() ? "" : " " + more.front() + " " + more.back()) << ": losses within "
+              << worst_loss << " relative, weights within " << worst_weight << " of modelopt's QAT"
+              << std::endl;
+
+    // The run's metadata names the quantization (what --resume compares).
+    const std::string state = read(out / "checkpoints" / "step-00000005" / "trainer_state.json");
+    EXPECT_THAT(state, HasSubstr("\"quant\": \"" + format + " (backward " +
+                                 (clipped ? "clipped" : "pass-through")));
+  }
+};
+
+TEST_F(QatCommand, OneRankMatchesModelopt) {
+  for (const std::string name : {"fp8", "int8", "fp8_clipped", "int8_clipped"}) {
+    SCOPED_TRACE(name);
+    expect_matches_modelopt(name, 1);
+  }
+}
+
+// FSDP2 over 2 data-parallel ranks: the weight quantizers act on the gathered full weight, the
+// amax synced over the ranks (each calibrates on 3 of the 6 windows).
+TEST_F(QatCommand, TwoRanksMatchModelopt) {
+  for (const std::string name : {"fp8", "int8_clipped"}) {
+    SCOPED_TRACE(name);
+    expect_matches_modelopt(name, 2);
+  }
+}
+
+TEST_F(QatCommand, TensorParallelMatchesModelopt) {
+  for (const std::string name : {"fp8", "int8"}) {
+    SCOPED_TRACE(name);
+    expect_matches_modelopt(name, 2, {"--tp", "2"});
+  }
+}
+
+// Resumed in the middle of QAT (the quantizers from the checkpoint, no calibration): the
+// losses and weights of the uninterrupted run, on the same layout and on another one.
+TEST_F(QatCommand, ResumeContinuesTheUninterruptedRun) {
+  const std::vector<std::string> flags = {
+      "--quant", "int8", "--calib-sequences", "6", "--save-every", "2", "--keep", "5"};
+  const fs::path whole = dir_ / "whole";
+  {
+    const auto r = mdist(1, qat_args(whole, flags));
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+  }
+  ASSERT_TRUE(fs::exists(whole / "checkpoints" / "step-00000002" / "qat_quantizers.safetensors"));
+  for (const auto& [ranks, tp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " rank(s), tp " + std::to_string(tp) + " resumed");
+    // The same run stopped after its step-2 checkpoint.
+    const fs::path cut = dir_ / ("cut" + std::to_string(ranks) + "-tp" + std::to_string(tp));
+    fs::copy(whole, cut, fs::copy_options::recursive);
+    fs::remove_all(cut / "checkpoints" / "step-00000004");
+    fs::remove_all(cut / "checkpoints" / "step-00000005");
+    std::ofstream(cut / "checkpoints" / "latest") << "step-00000002\n";
+    // A calibration here would see other weights: the resumed run must not calibrate.
+    const auto r = mdist(
+        ranks, without_model(qat_args(cut, with(flags, {"--resume", "--tp", std::to_string(tp)}))));
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_THAT(r.out,
+                HasSubstr("the quantizers of " + (cut / "checkpoints" / "step-00000002").string()));
+    const auto expected = metrics(whole), resumed = metrics(cut);
+    ASSERT_EQ(resumed.size(), expected.size());
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      const double want = expected[i]["loss"].get<double>();
+      EXPECT_LE(std::abs(resumed[i]["loss"].get<double>() - want), 1e-6 * std::abs(want))
+          << "step " << i + 1;
+    }
+    const hf::SafetensorsFile a(whole / "checkpoints" / "step-00000005" / "model.safetensors");
+    const hf::SafetensorsFile b(cut / "checkpoints" / "step-00000005" / "model.safetensors");
+    ASSERT_EQ(a.names(), b.names());
+    double worst = 0;
+    for (const auto& name : a.names()) {
+      worst = std::max(worst, (a.tensor(name) - b.tensor(name)).abs().max().item<double>());
+    }
+    EXPECT_LE(worst, 1e-6);
+    std::cout << "[ measured ] resumed at step 2 on " << ranks << " rank(s), tp " << tp
+              << ": weights within " << worst << " of the uninterrupted run" << std::endl;
+  }
+
+  // A QAT checkpoint without its quantizers: refused, nothing written.
+  const fs::path broken = dir_ / "broken";
+  fs::copy(whole, broken, fs::copy_options::recursive);
+  fs::remove(broken / "checkpoints" / "step-00000005" / "qat_quantizers.safetensors");
+  std::ofstream(broken / "checkpoints" / "latest") << "step-00000005\n";
+  const auto before = tree(broken);
+  const auto r =
+      mdist(1, without_model(qat_args(broken, with(flags, {"--resume", "--steps", "6"}))));
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("of quantization-aware training has no qat_quantizers.safetensors"))
+      << describe(r);
+  EXPECT_EQ(error_lines(r.err), 1) << r.err;
+  EXPECT_EQ(tree(broken), before);
+}
+
+TEST_F(QatCommand, BadInputIsOneLineAndWritesNothing) {
+  const fs::path out = dir_ / "out";
+  const fs::path moe = qwen3_moe_model("moe", 4);
+  const fs::path plain = dir_ / "plain";
+  // A run without --quant, to resume with it.
+  {
+    const auto r = mdist(1, qat_args(plain, {"--steps", "2", "--save-every", "1"}));
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+  }
+  struct Case {
+    int ranks;
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {1, qat_args(out, {"--quant", "fp4"}), "unknown --quant 'fp4'"},
+      {1, qat_args(out, {"--quant", "nvfp4"}), "--quant nvfp4 is not supported by train yet"},
+      {1, qat_args(out, {"--quant", "int8_sq"}), "--quant int8_sq is not supported by train yet"},
+      {1, qat_args(out, {"--quant", "fp8", "--quant-backward", "ste"}),
+       "--quant-backward must be pass-through or clipped, got 'ste'"},
+      {1, qat_args(out, {"--calib-data", train_data().string()}),
+       "--calib-data applies to quantization-aware training only"},
+      {1, qat_args(out, {"--quant-backward", "clipped"}),
+       "--quant-backward applies to quantization-aware training only"},
+      {1, qat_args(out, {"--quant", "fp8", "--calib-sequences", "-1"}), "--calib-sequences"},
+      {1, qat_args(out, {"--quant", "fp8", "--param-dtype", "bf16"}),
+       "--quant with --param-dtype bf16"},
+      {2, qat_args(out, {"--quant", "fp8", "--ep", "2"}), "--quant with --ep 2"},
+      {1, qat_args(out, {"--quant", "fp8", "--calib-data", (dir_ / "missing.u32").string()}),
+       "missing.u32"},
+      {1,
+       with({"train", "--model", moe.string(), "--data", train_data().string(), "--seq-len", "16",
+             "--global-batch", "4", "--steps", "2", "--quant", "fp8", "--out", out.string()},
+            {}),
+       "quantization-aware training of a mixture of experts is not supported yet"},
+      {1, without_model(qat_args(plain, {"--quant", "fp8", "--resume", "--steps", "4"})),
+       "--resume: --quant is fp8 (backward pass-through, 64 calibration sequences of the "
+       "training data) but the checkpoint " +
+           (plain / "checkpoints" / "step-00000002").string() + " was trained with --quant none"},
+  };
+  const auto before = tree(dir_);
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message);
+    const auto r = mdist(c.ranks, c.args);
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist train: error: ")) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << describe(r);
+    EXPECT_EQ(error_lines(r.err), 1) << r.err;
+    EXPECT_EQ(tree(dir_), before);
+  }
+
+  // A quantization-aware run resumed without --quant: refused, its checkpoints untouched.
+  const fs::path qat = dir_ / "qat";
+  {
+    const auto r =
+        mdist(1, qat_args(qat, {"--quant", "int8", "--steps", "2", "--save-every", "1"}));
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+  }
+  const auto qat_before = tree(dir_);
+  const auto r = mdist(1, without_model(qat_args(qat, {"--steps", "4", "--resume"})));
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_THAT(r.err, HasSubstr("--resume: --quant is none but the checkpoint " +
+                               (qat / "checkpoints" / "step-00000002").string() +
+                               " was trained with --quant int8 (backward pass-through"))
+      << describe(r);
+  EXPECT_EQ(error_lines(r.err), 1) << r.err;
+  EXPECT_EQ(tree(dir_), qat_before);
+}
+
+}  // namespace
+}  // namespace mdist::testing

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Writes tests/quant/fixtures/qat_llama/expected.safetensors: modelopt 0.47's quantization-aware
+training (QAT) of the tiny Llama of fixtures/ptq_llama (fp32, biases, tied head), the expected
+numbers of `mdist train --quant` (tests/cli/qat_cli_test.cpp).
+
+The environment (modelopt is never a run-time dependency of mdist): see make_fixtures.py.
+  /work/venv-quant/bin/python tests/quant/make_qat_fixtures.py
+
+The recipe is modelopt's examples/llm_qat reduced to a plain loop (its simple_qat_train.py):
+  mtq.quantize(model, CFG, calibration loop)   # insert quantizers, max calibration, amax frozen
+  then ordinary training of the fake-quantized model,
+with mdist train's optimizer and schedule mirrored exactly (src/cli/train.cpp,
+include/mdist/train/lr_schedule.h): AdamW betas (0.9, 0.95), eps 1e-8, decoupled weight decay
+on matrices only (dim >= 2), linear warm-up over `warmup` steps then cosine decay to
+min_lr_ratio * lr at the last step, global-norm gradient clipping, the mean token cross entropy
+of the whole global batch per step.
+
+Data: `train_ids` int64 [WINDOWS, T], the training file's windows in file order (the test writes
+them as a .u32 token file). Calibration: the first CALIB windows, one sequence per forward (what
+`mdist train --quant --calib-sequences CALIB` does by default). Step s (1-based) trains on
+sequences k = (s-1)*B .. s*B-1 of the run, window order[k] of mdist's seeded epoch order
+(src/cli/token_data.cpp: Fisher-Yates driven by std::mt19937_64 seeded with
+seed * 0x9E3779B97F4A7C15 + epoch, reproduced here).
+
+Per case "<format>" (FP8_DEFAULT_CFG, INT8_DEFAULT_CFG; modelopt's default pass_through_bwd) and
+"<format>_clipped" (the same config with pass_through_bwd False: the clipped STE):
+  <case>.losses     f64 [STEPS]: each step's loss (before its update)
+  <case>.<param>    f32: every parameter after the last step, HF names (tied head once)
+  <case>.<quantizer>._amax   the calibrated amax (frozen through training)
+"""
+
+import copy
+import math
+import pathlib
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+import modelopt.torch.quantization as mtq
+
+HERE = pathlib.Path(__file__).resolve().parent / "fixtures"
+MODEL = HERE / "ptq_llama"
+OUT = HERE / "qat_llama"
+
+T = 16           # --seq-len
+WINDOWS = 24     # windows in the training file (more than one epoch's worth is not needed)
+CALIB = 6        # --calib-sequences
+STEPS = 5        # --steps
+BATCH = 4        # --global-batch
+LR = 1e-3        # --lr
+WARMUP = 2       # --warmup
+MIN_LR_RATIO = 0.1
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+SEED = 3         # --seed (the data order; the model comes from MODEL)
+
+MASK64 = (1 << 64) - 1
+
+
+class MT19937_64:
+    """std::mt19937_64 (C++11's parameters)."""
+
+    def __init__(self, seed):
+        self.mt = [0] * 312
+        self.mt[0] = seed & MASK64
+        for i in range(1, 312):
+            prev = self.mt[i - 1]
+            self.mt[i] = (6364136223846793005 * (prev ^ (prev >> 62)) + i) & MASK64
+        self.index = 312
+
+    def __call__(self):
+        if self.index >= 312:
+            for i in range(312):
+                x = (self.mt[i] & 0xFFFFFFFF80000000) | (self.mt[(i + 1) % 312] & 0x7FFFFFFF)
+                xa = x >> 1
+                if x & 1:
+                    xa ^= 0xB5026F5AA96619E9
+                self.mt[i] = self.mt[(i + 156) % 312] ^ xa
+            self.index = 0
+        y = self.mt[self.index]
+        self.index += 1
+        y ^= (y >> 29) & 0x5555555555555555
+        y ^= (y << 17) & 0x71D67FFFEDA60000
+        y ^= (y << 37) & 0xFFF7EEE000000000
+        y ^= y >> 43
+        return y & MASK64
+
+
+def check_mt19937_64():
+    rng = MT19937_64(5489)
+    for _ in range(9999):
+        rng()
+    assert rng() == 9981545732273789042, "mt19937_64 does not match the C++ standard's check value"
+
+
+def epoch_order(count, seed, epoch):
+    """mdist's WindowOrder::shuffle_epoch."""
+    rng = MT19937_64((seed * 0x9E3779B97F4A7C15 + epoch) & MASK64)
+    perm = list(range(count))
+    for i in range(count - 1, 0, -1):
+        j = rng() % (i + 1)
+        perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
+def window_of(k, count, seed):
+    epoch, at = divmod(k, count)
+    return epoch_order(count, seed, epoch)[at]
+
+
+def lr_at(step):
+    """mdist's schedule, `step` 1-based."""
+    min_lr = MIN_LR_RATIO * LR
+    if WARMUP > 0 and step <= WARMUP:
+        return LR * step / WARMUP
+    progress = min(1.0, max(0.0, (step - WARMUP) / max(1, STEPS - WARMUP)))
+    return min_lr + (LR - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def config_for(case):
+    cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG if case.startswith("fp8") else mtq.INT8_DEFAULT_CFG)
+    if case.endswith("_clipped"):
+        for rule in cfg["quant_cfg"]:
+            if "cfg" in rule:
+                rule["cfg"]["pass_through_bwd"] = False
+    return cfg
+
+
+def run(case, train_ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    model.train()
+    calib = [train_ids[i : i + 1] for i in range(CALIB)]
+
+    def loop(m):
+        with torch.no_grad():
+            for ids in calib:
+                m(input_ids=ids)
+
+    mtq.quantize(model, config_for(case), loop)
+    amax = {k: v.detach().clone() for k, v in model.state_dict().items() if k.endswith("._amax")}
+    params = [(n, p) for n, p in model.named_parameters()]
+    matrices = [p for _, p in params if p.dim() >= 2]
+    vectors = [p for _, p in params if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": WEIGHT_DECAY},
+         {"params": vectors, "weight_decay": 0.0}],
+        lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    losses = []
+    for step in range(1, STEPS + 1):
+        rows = [window_of(k, WINDOWS, SEED) for k in range((step - 1) * BATCH, step * BATCH)]
+        ids = train_ids[rows]
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        losses.append(loss.item())
+    after = {n: p.detach().clone().contiguous() for n, p in params}
+    # The amax stays frozen through training (modelopt's QAT): checked, not assumed.
+    for k, v in model.state_dict().items():
+        if k.endswith("._amax"):
+            assert torch.equal(v, amax[k]), k
+    return losses, after, amax
+
+
+def main():
+    check_mt19937_64()
+    torch.manual_seed(0)
+    vocab = transformers.AutoConfig.from_pretrained(MODEL).vocab_size
+    gen = torch.Generator().manual_seed(11)
+    train_ids = torch.randint(0, vocab, (WINDOWS, T), generator=gen)
+    tensors = {"train_ids": train_ids}
+    for case in ("fp8", "int8", "fp8_clipped", "int8_clipped"):
+        losses, after, amax = run(case, train_ids)
+        print(case, "losses", losses)
+        tensors[f"{case}.losses"] = torch.tensor(losses, dtype=torch.float64)
+        for name, value in after.items():
+            tensors[f"{case}.{name}"] = value
+        for name, value in amax.items():
+            tensors[f"{case}.{name}"] = value.contiguous()
+    OUT.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, OUT / "expected.safetensors")
+
+
+if __name__ == "__main__":
+    main()
