@@ -54,20 +54,21 @@ open(sys.argv[2], "wb").write(data[:cut])
 open(sys.argv[3], "wb").write(data[cut:])
 PY
 
-# record IMPL FORMAT ROUND LOG TIMES [JSON]: one JSON line from /usr/bin/time's "%e %M" and the
-# side's own report (mdist: quantize.json; Python: its printed line).
+# record IMPL FORMAT ROUND LOG TIMES REPORT: one JSON line from /usr/bin/time's "%e %M" and the
+# side's own report, a JSON file (mdist: quantize.json, whose per-module amax can be megabytes;
+# Python: its printed line).
 record() {
-  IMPL="$1" FMT="$2" ROUND="$3" LOG="$4" TIMES="$5" REPORT="${6:-}" python3 - >>"$results" <<'PY'
+  IMPL="$1" FMT="$2" ROUND="$3" LOG="$4" TIMES="$5" REPORT="$6" python3 - >>"$results" <<'PY'
 import json, os
 row = {"impl": os.environ["IMPL"], "format": os.environ["FMT"], "round": int(os.environ["ROUND"])}
 times = open(os.environ["TIMES"]).read().split() if os.path.exists(os.environ["TIMES"]) else []
 report = os.environ["REPORT"]
-if len(times) < 2 or not report:
+if len(times) < 2 or not os.path.isfile(report) or os.path.getsize(report) == 0:
     lines = [l for l in open(os.environ["LOG"]).read().splitlines() if l.strip()]
     why = next((l for l in lines if "error" in l.lower()), lines[-1] if lines else "no output")
     row["error"] = why[:200]
 else:
-    r = json.loads(report)
+    r = json.load(open(report))
     row.update(wall_s=float(times[0]), peak_rss_mib=int(times[1]) / 1024.0,
                loss_before=r["loss_before"], loss_after=r["loss_after"],
                seconds=r["seconds"])
@@ -82,10 +83,7 @@ run_cpp() {
     quantize --model "$model" --format "$fmt" --data "$work/calib.txt" --eval-data "$work/eval.txt" \
     --seq-len "$seq_len" --calib-sequences "$calib" --eval-sequences "$eval_n" \
     --batch-size "$batch" --out "$out" >"$log" 2>&1
-  local report=""
-  [[ -f "$out/quantize.json" ]] && report="$(python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' "$out/quantize.json")"
-  record "mdist (C++)" "$fmt" "$round" "$log" "$t" "$report"
-  du -sb "$out" 2>/dev/null | cut -f1 >"$work/export-bytes-$fmt"
+  record "mdist (C++)" "$fmt" "$round" "$log" "$t" "$out/quantize.json"
   rm -rf "$out"
 }
 
@@ -96,7 +94,8 @@ run_py() {
     bench/quantize_modelopt.py run --model "$model" --format "$fmt" --data "$work/calib.txt" \
     --eval-data "$work/eval.txt" --seq-len "$seq_len" --calib-sequences "$calib" \
     --eval-sequences "$eval_n" --batch-size "$batch" --threads "$threads" --out "$out" >"$log" 2>&1
-  record "modelopt (Python)" "$fmt" "$round" "$log" "$t" "$(grep '^{' "$log" | tail -n 1)"
+  grep '^{' "$log" | tail -n 1 >"$work/py-report.json"
+  record "modelopt (Python)" "$fmt" "$round" "$log" "$t" "$work/py-report.json"
   rm -rf "$out"
 }
 
