@@ -743,7 +743,8 @@ TEST_F(QuantizeCommand, W4a8AwqMatchesModeloptAcrossLayouts) {
 // down_proj in another order, so the bound is the one of a layout that changes a summation
 // order: packed bytes at most 0.1 % apart, every other tensor within 1e-6 relative, the
 // quantized loss within 1e-6. `mdist eval --tp 2` of each export (o_proj's and down_proj's
-// pre_quant_scale cut to the shard's input channels) equals `mdist eval` on one rank (1e-6).
+// pre_quant_scale cut to the shard's input channels) equals `mdist eval` on one rank (1e-6;
+// W4A8, whose activations are FP8, 1e-4: see below).
 TEST_F(QuantizeCommand, AwqTensorParallelGivesOneRanksExport) {
   const auto config_dir = dir_ / "llama256-config";
   fs::create_directories(config_dir);
@@ -801,7 +802,11 @@ TEST_F(QuantizeCommand, AwqTensorParallelGivesOneRanksExport) {
     ASSERT_EQ(eval_tp.exit_code, 0) << describe(eval_tp);
     std::cout << "[ measured ] llama256 " << format << ": eval of the export, 1 rank "
               << eval_loss(eval_one.out) << ", tp 2 " << eval_loss(eval_tp.out) << std::endl;
-    EXPECT_LE(relative(eval_loss(eval_tp.out), eval_loss(eval_one.out)), 1e-6);
+    // W4A8 quantizes activations to FP8: the all-reduce of o_proj's and down_proj's partial
+    // sums moves an activation by its last bit, which can cross an E4M3 rounding boundary (one
+    // E4M3 step; measured 2.4e-5 here, 0 for the same export without its input scales).
+    EXPECT_LE(relative(eval_loss(eval_tp.out), eval_loss(eval_one.out)),
+              format == "w4a8_awq" ? 1e-4 : 1e-6);
   }
 }
 
