@@ -98,6 +98,7 @@ void declare_train_flags(CLI::App& app, TrainOptions& o) {
                  "With --quant: calibration data (same --data-format; all of the file); default: "
                  "the training data's first windows in file order")
       ->type_name("FILE");
+  declare_distill_flags(app, o.distill);
   app.footer("\nExample: mdistrun --nproc-per-node 2 mdist train --steps 600 --out runs/long");
 
   app.callback([&o, calib_sequences, quant_backward] {
@@ -169,6 +170,7 @@ void check_train_flags(const TrainOptions& o, int world) {
     throw InputError("--resume and --overwrite exclude each other");
   }
   check_quant_flags(o);
+  check_distill_flags(o.distill, o.io.expert_parallel);
 }
 
 void check_quant_flags(const TrainOptions& o) {
