@@ -3,6 +3,7 @@
 // the module that cannot split (KV heads shared by ranks in Phi-3's fused qkv_proj and OLMo
 // 2's full-width k norm), and calibration names the Linears as modelopt does (Phi-3's fused
 // qkv_proj and gate_up_proj).
+#include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "mdist/hf/safetensors.h"
 #include "tests/cli/mdist_command.h"
 #include "tests/support/subprocess.h"
 
@@ -222,6 +224,37 @@ TEST_F(MdistFamilies, UnsupportedGemmaConfigsAreOneLineAndWriteNothing) {
     EXPECT_EQ(error_lines(r.err), 1) << describe(r);
     EXPECT_FALSE(fs::exists(out)) << c.name;
   }
+}
+
+// int8 (per-row weight scales) export of Phi-3 with --tp 2 equals one process's: the fused
+// qkv_proj's and gate_up_proj's per-row amax are gathered from each rank's row ranges back into
+// the checkpoint's rows. Weights and weight scales bit for bit; input scales (activation maxima,
+// summed in another order under tensor parallelism) 1e-6 relative.
+TEST_F(MdistFamilies, Phi3Int8ExportWithTensorParallelismEqualsOneProcess) {
+  const auto dir = model("phi3");
+  std::vector<fs::path> outs;
+  for (const int tp : {1, 2}) {
+    outs.push_back(dir_ / ("phi3-int8-tp" + std::to_string(tp)));
+    const RunResult r = mdist(tp, {"quantize", "--model", dir.string(), "--format", "int8",
+                                   "--seq-len", "32", "--calib-sequences", "8", "--eval-sequences",
+                                   "4", "--tp", std::to_string(tp), "--out", outs.back().string()});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+  }
+  const mdist::hf::SafetensorsFile one(outs[0] / "model.safetensors");
+  const mdist::hf::SafetensorsFile two(outs[1] / "model.safetensors");
+  ASSERT_EQ(one.names(), two.names());
+  int checked = 0;
+  for (const std::string& name : one.names()) {
+    const at::Tensor a = one.tensor(name), b = two.tensor(name);
+    ASSERT_EQ(a.sizes(), b.sizes()) << name;
+    if (name.ends_with("input_scale")) {
+      EXPECT_LE((a - b).abs().max().item<double>(), 1e-6 * a.abs().max().item<double>()) << name;
+    } else {
+      EXPECT_TRUE(at::equal(a, b)) << name;
+    }
+    checked += name.find("qkv_proj.weight_scale") != std::string::npos;
+  }
+  EXPECT_EQ(checked, 2);  // a per-row scale per layer's fused qkv_proj
 }
 
 // Calibration records every Linear under its module name, as modelopt names its quantizers:
