@@ -86,7 +86,7 @@ std::unique_ptr<quant::ModelQuantizers> resume_quantization_aware_training(
         // quantize() keeps a column-parallel per-row weight amax per shard: this rank's rows.
         const auto placement = parallelism.tensor_parallel->placement(q->name + ".weight");
         if (placement.split == hf::TensorParallelPlacement::Split::kRows) {
-          amax = amax.narrow(0, placement.offset, placement.length);
+          amax = placement.local_part(amax);
         }
       }
       (*quantizer)->set_amax(amax.to(device));

@@ -80,7 +80,8 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, c10::Device device, bool weig
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   const at::Tensor h = x.to(at::kFloat);
-  const at::Tensor normed = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  const at::Tensor mean = mean_square ? mean_square(h) : h.pow(2).mean(-1, /*keepdim=*/true);
+  const at::Tensor normed = h * at::rsqrt(mean + eps);
   if (unit_offset) return (normed * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
   if (weight_in_fp32) return (weight * normed).to(x.scalar_type());
   return weight * normed.to(x.scalar_type());

@@ -49,6 +49,34 @@ std::vector<int64_t> TensorParallelPlacement::local_shape() const {
   return shape;
 }
 
+std::vector<tp::RowRange> TensorParallelPlacement::row_ranges() const {
+  if (!pieces.empty()) return pieces;
+  return {tp::RowRange{offset, length}};
+}
+
+std::vector<tp::RowRange> TensorParallelPlacement::full_rows_of(int64_t first,
+                                                                int64_t count) const {
+  std::vector<tp::RowRange> out;
+  int64_t local = 0;  // the first local row of the range below
+  for (const tp::RowRange& range : row_ranges()) {
+    const int64_t lo = std::max(first, local);
+    const int64_t hi = std::min(first + count, local + range.count);
+    if (lo < hi) out.push_back({range.first + (lo - local), hi - lo});
+    local += range.count;
+  }
+  return out;
+}
+
+at::Tensor TensorParallelPlacement::local_part(const at::Tensor& full) const {
+  if (split == Split::kColumns) return full.narrow(1, offset, length);
+  if (split == Split::kReplicated) return full;
+  std::vector<at::Tensor> parts;
+  for (const tp::RowRange& range : row_ranges()) {
+    parts.push_back(full.narrow(0, range.first, range.count));
+  }
+  return parts.size() == 1 ? parts.front() : at::cat(parts, 0);
+}
+
 TensorParallelPlan::TensorParallelPlan(Group group, int64_t vocab_size,
                                        std::map<std::string, TensorParallelPlacement> placements,
                                        bool holds_global_rank0, tp::Counters counters)
@@ -99,8 +127,15 @@ RowSource TensorParallelPlan::local_source(RowSource full) const {
     }
     const TensorParallelPlacement& p = it->second;
     if (p.split == Split::kRows) {
-      if (rows < 0) return full.read(name, p.offset, p.length);
-      return full.read(name, p.offset + first_row, rows);
+      if (rows < 0) {
+        first_row = 0;
+        rows = p.length;
+      }
+      std::vector<at::Tensor> parts;
+      for (const tp::RowRange& range : p.full_rows_of(first_row, rows)) {
+        parts.push_back(full.read(name, range.first, range.count));
+      }
+      return parts.size() == 1 ? parts.front() : at::cat(parts, 0);
     }
     // Columns: full rows a bounded number at a time, narrowed to this rank's columns.
     if (rows < 0) {
@@ -145,7 +180,17 @@ std::map<std::string, at::Tensor> TensorParallelPlan::gather(
     const int64_t total = p.split == Split::kRows ? p.full_shape.at(0) : p.full_shape.at(1);
     const int64_t replicas = world * p.length / total;
     std::vector<at::Tensor> parts;
-    for (int r = 0; r < world; r += static_cast<int>(replicas)) parts.push_back(gathered[r]);
+    if (p.pieces.empty()) {
+      for (int r = 0; r < world; r += static_cast<int>(replicas)) parts.push_back(gathered[r]);
+    } else {
+      // A fused weight: each of its parts (q, k, v; gate, up) is every rank's piece of it in
+      // rank order (no replicas: parallelize refuses shared KV heads for fused weights).
+      int64_t local = 0;
+      for (const tp::RowRange& piece : p.pieces) {
+        for (int r = 0; r < world; ++r) parts.push_back(gathered[r].narrow(0, local, piece.count));
+        local += piece.count;
+      }
+    }
     const at::Tensor joined = at::cat(parts, p.split == Split::kRows ? 0 : 1);
     if (joined.sizes().vec() != p.full_shape) {
       throw Error("mdist: hf::TensorParallelPlan::gather: '" + name + "' gathered as " +
@@ -169,24 +214,20 @@ void check_tensor_parallel_split(const LlamaConfig& c, int t) {
   if (c.moe)
     fail(c.architecture +
          " is a mixture of experts; tensor parallelism of MoE layers is not supported yet");
-  // Phi-3's fused projections would need one rank's q, k and v heads (and gate and up
-  // halves) cut out of one weight as three (two) row ranges; OLMo 2's q/k norms span every
-  // head, so each rank's would need the other ranks' sums of squares. Neither is implemented.
-  if (c.fused_projections) {
-    fail(c.architecture +
-         "'s fused self_attn.qkv_proj and mlp.gate_up_proj are not split by tensor parallelism "
-         "yet");
-  }
-  if (c.qk_norm_full_width) {
-    fail(c.architecture +
-         "'s self_attn.q_norm and k_norm span all heads; tensor parallelism of them is not "
-         "supported yet");
-  }
   if (c.num_attention_heads % t != 0) {
     fail("num_attention_heads " + std::to_string(c.num_attention_heads) + " does not divide by " +
          ts);
   }
   const int64_t kv = c.num_key_value_heads;
+  // A fused qkv_proj is cut as three row ranges of whole heads, and a full-width k norm sums
+  // its squares over the ranks: neither has a place for a KV head shared by several ranks.
+  if (kv % t != 0 && (c.fused_projections || c.qk_norm_full_width)) {
+    fail("num_key_value_heads " + std::to_string(kv) + " does not divide by " + ts + " (" +
+         c.architecture + "'s " +
+         (c.fused_projections ? std::string("fused self_attn.qkv_proj")
+                              : std::string("self_attn.k_norm over all KV heads")) +
+         " splits by whole KV heads per rank)");
+  }
   if (kv % t != 0 && t % kv != 0) {
     fail("num_key_value_heads " + std::to_string(kv) + " neither divides by " + ts +
          " nor divides it (each rank needs whole KV heads, or a KV head shared by whole ranks)");
@@ -305,6 +346,20 @@ class PlanBuilder {
         *linear, s_.tp,
         {.copy_input = copy_input, .rows = tp::RowRange{offset, length}, .counters = counters_});
   }
+  // A fused projection: rows from several ranges of the full weight, in this order.
+  void column_pieces(const std::string& name, torch::nn::Linear& linear,
+                     const std::vector<tp::RowRange>& pieces) {
+    int64_t rows = 0;
+    for (const tp::RowRange& piece : pieces) rows += piece.count;
+    for (const char* part : {".weight", ".bias"}) {
+      const at::Tensor& param = part[1] == 'w' ? linear->weight : linear->bias;
+      if (!param.defined()) continue;
+      rows_of(name + part, param, pieces.front().first, rows, true);
+      placements[name + part].pieces = pieces;
+    }
+    tp::parallelize_column(*linear, s_.tp,
+                           {.copy_input = false, .row_pieces = pieces, .counters = counters_});
+  }
   void row(const std::string& name, torch::nn::Linear& linear) {
     columns_of(name + ".weight", linear->weight);
     if (linear->bias.defined()) replicated(name + ".bias", linear->bias);
@@ -330,15 +385,39 @@ class PlanBuilder {
   tp::Counters counters_;
 };
 
+// OLMo 2's q/k RMSNorm over the whole projection width, of which this rank holds `width /
+// t` features: the mean of squares is the group's sum of squares over the full width.
+// reduce_from_group(copy_to_group(x)) all-reduces forward and backward alike: every rank's
+// normalised features depend on every rank's squares, so each rank's gradient of the sum is
+// the sum of the ranks' gradients.
+void split_full_width_norm(PlanBuilder& plan, const TpSplit& s, RMSNormImpl& norm,
+                           const std::string& name, int64_t offset, int64_t length) {
+  plan.rows_of(name, norm.weight, offset, length, true);
+  const int64_t width = norm.weight.size(0);
+  tp::keep_rows(norm.weight, {tp::RowRange{offset, length}});
+  norm.mean_square = [group = s.tp, counters = plan.counters(), width](const at::Tensor& h) {
+    const at::Tensor local = h.pow(2).sum(-1, /*keepdim=*/true);
+    return tp::reduce_from_group(tp::copy_to_group(local, group, counters), group, counters) /
+           static_cast<double>(width);
+  };
+}
+
 // q/k/v column-parallel by heads (KV heads replicated when fewer than ranks), o row-parallel.
+// Phi-3's fused qkv_proj: this rank's query, key and value heads as three row ranges.
 void split_attention(PlanBuilder& plan, const TpSplit& s, AttentionImpl& attn,
                      const std::string& prefix) {
   const int64_t hd = s.head_dim;
-  plan.column(prefix + "q_proj", attn.q_proj, s.r * s.heads * hd, s.heads * hd, true, false);
-  plan.column(prefix + "k_proj", attn.k_proj, s.kv_first * hd, s.kv_local * hd, s.primary_kv,
-              false);
-  plan.column(prefix + "v_proj", attn.v_proj, s.kv_first * hd, s.kv_local * hd, s.primary_kv,
-              false);
+  const tp::RowRange q{s.r * s.heads * hd, s.heads * hd};
+  const tp::RowRange kv{s.kv_first * hd, s.kv_local * hd};
+  if (attn.qkv_proj) {
+    const int64_t q_rows = s.heads * s.t * hd, kv_rows = s.kv * hd;
+    plan.column_pieces(prefix + "qkv_proj", attn.qkv_proj,
+                       {q, {q_rows + kv.first, kv.count}, {q_rows + kv_rows + kv.first, kv.count}});
+  } else {
+    plan.column(prefix + "q_proj", attn.q_proj, q.first, q.count, true, false);
+    plan.column(prefix + "k_proj", attn.k_proj, kv.first, kv.count, s.primary_kv, false);
+    plan.column(prefix + "v_proj", attn.v_proj, kv.first, kv.count, s.primary_kv, false);
+  }
   if (s.replicated_kv) {
     for (auto* linear : {&attn.k_proj, &attn.v_proj}) {
       plan.sum_gradients_over((*linear)->weight, s.kv_group);
@@ -346,7 +425,11 @@ void split_attention(PlanBuilder& plan, const TpSplit& s, AttentionImpl& attn,
     }
   }
   plan.row(prefix + "o_proj", attn.o_proj);
-  if (attn.q_norm) {
+  if (attn.q_norm && attn.qk_norm_full_width) {
+    // Over the whole projection: each rank holds the weight of its own heads' features.
+    split_full_width_norm(plan, s, *attn.q_norm, prefix + "q_norm.weight", q.first, q.count);
+    split_full_width_norm(plan, s, *attn.k_norm, prefix + "k_norm.weight", kv.first, kv.count);
+  } else if (attn.q_norm) {
     // Each rank normalises its own heads with the shared weight: its gradient is a sum over
     // the ranks.
     plan.replicated(prefix + "q_norm.weight", attn.q_norm->weight);
@@ -359,11 +442,18 @@ void split_attention(PlanBuilder& plan, const TpSplit& s, AttentionImpl& attn,
   plan.copy_first_input(attn);
 }
 
-// gate/up column-parallel, down row-parallel (the intermediate size split).
+// gate/up column-parallel, down row-parallel (the intermediate size split). Phi-3's fused
+// gate_up_proj: this rank's slice of the gate half, then its slice of the up half.
 void split_mlp(PlanBuilder& plan, const TpSplit& s, MLPImpl& mlp, const std::string& prefix) {
-  plan.column(prefix + "gate_proj", mlp.gate_proj, s.r * s.intermediate, s.intermediate, true,
-              false);
-  plan.column(prefix + "up_proj", mlp.up_proj, s.r * s.intermediate, s.intermediate, true, false);
+  const tp::RowRange part{s.r * s.intermediate, s.intermediate};
+  if (mlp.gate_up_proj) {
+    const int64_t half = s.intermediate * s.t;
+    plan.column_pieces(prefix + "gate_up_proj", mlp.gate_up_proj,
+                       {part, {half + part.first, part.count}});
+  } else {
+    plan.column(prefix + "gate_proj", mlp.gate_proj, part.first, part.count, true, false);
+    plan.column(prefix + "up_proj", mlp.up_proj, part.first, part.count, true, false);
+  }
   plan.row(prefix + "down_proj", mlp.down_proj);
   plan.copy_first_input(mlp);
 }
@@ -421,12 +511,12 @@ std::shared_ptr<const TensorParallelPlan> parallelize(CausalLM& model, const Par
     const std::string prefix = "model.layers." + std::to_string(i) + ".";
     split_attention(plan, split, *layer.self_attn, prefix + "self_attn.");
     split_mlp(plan, split, *layer.mlp, prefix + "mlp.");
-    plan.replicated(prefix + "input_layernorm.weight", layer.input_layernorm->weight);
-    plan.replicated(prefix + "post_attention_layernorm.weight",
-                    layer.post_attention_layernorm->weight);
-    // Gemma's sandwich norms act on the whole hidden state, as the two above.
+    // Every layer norm acts on the whole hidden state: replicated (OLMo 2 has no input norm;
+    // Gemma's sandwich and OLMo 2's post norms add the feed-forward ones).
     for (const auto& [name, norm] :
-         {std::pair{"pre_feedforward_layernorm", layer.pre_feedforward_layernorm},
+         {std::pair{"input_layernorm", layer.input_layernorm},
+          std::pair{"post_attention_layernorm", layer.post_attention_layernorm},
+          std::pair{"pre_feedforward_layernorm", layer.pre_feedforward_layernorm},
           std::pair{"post_feedforward_layernorm", layer.post_feedforward_layernorm}}) {
       if (norm) plan.replicated(prefix + name + ".weight", norm->weight);
     }

@@ -283,10 +283,22 @@ at::Tensor whole_weight_amax(const QuantizedLinear& q, const hf::Parallelism& pa
   }
   const auto placement = parallelism.tensor_parallel->placement(q.name + ".weight");
   if (placement.split != hf::TensorParallelPlacement::Split::kRows) return amax;
-  const auto parts = allgather(std::make_pair(placement.offset, amax.detach().cpu()),
-                               parallelism.tensor_parallel->group());
+  // Each rank's row ranges of the full weight (several for a fused one, Phi-3's qkv_proj).
+  std::vector<int64_t> ranges;
+  for (const auto& range : placement.row_ranges()) {
+    ranges.push_back(range.first);
+    ranges.push_back(range.count);
+  }
+  const auto parts =
+      allgather(std::make_pair(ranges, amax.detach().cpu()), parallelism.tensor_parallel->group());
   at::Tensor whole = at::empty({placement.full_shape.front(), 1}, amax.options().device(at::kCPU));
-  for (const auto& [offset, rows] : parts) whole.narrow(0, offset, rows.size(0)).copy_(rows);
+  for (const auto& [held, rows] : parts) {
+    int64_t local = 0;
+    for (std::size_t i = 0; i + 1 < held.size(); i += 2) {
+      whole.narrow(0, held[i], held[i + 1]).copy_(rows.narrow(0, local, held[i + 1]));
+      local += held[i + 1];
+    }
+  }
   return whole;
 }
 

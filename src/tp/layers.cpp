@@ -58,6 +58,24 @@ at::Tensor masked_reduce(const at::Tensor& looked_up, const at::Tensor& outside,
 
 }  // namespace
 
+void keep_rows(at::Tensor& param, const std::vector<RowRange>& pieces) {
+  if (pieces.size() == 1) return cut(param, 0, pieces.front());
+  const at::NoGradGuard no_grad;
+  int64_t rows = 0;
+  for (const RowRange& piece : pieces) rows += piece.count;
+  if (param.is_meta()) {
+    std::vector<int64_t> shape = param.sizes().vec();
+    shape[0] = rows;
+    nn::assign_in_place(param, at::empty(shape, param.options()));
+    return;
+  }
+  std::vector<at::Tensor> parts;
+  for (const RowRange& piece : pieces) {
+    parts.push_back(param.detach().narrow(0, piece.first, piece.count));
+  }
+  param.set_data(at::cat(parts, 0));
+}
+
 // This rank's even share of `size` rows over `group`.
 RowRange even_part(int64_t size, const Group& group, const char* what) {
   if (!group.is_not_used() && !group.is_member()) {
@@ -80,15 +98,22 @@ void parallelize_column(torch::nn::LinearImpl& linear, const Group& group,
   check_not_split(linear.weight, "parallelize_column");
   const int64_t out = linear.weight.size(0);
   // Not value_or: the even split need not exist when the rows are given.
-  const RowRange rows = options.rows ? *options.rows : even_part(out, group, "the output features");
-  if (rows.first < 0 || rows.count <= 0 || rows.first + rows.count > out) {
-    throw Error("mdist::tp::parallelize_column: rows [" + std::to_string(rows.first) + ", " +
-                std::to_string(rows.first + rows.count) + ") are not within the " +
-                std::to_string(out) + " output features");
+  std::vector<RowRange> pieces = options.row_pieces;
+  if (pieces.empty()) {
+    pieces.push_back(options.rows ? *options.rows : even_part(out, group, "the output features"));
   }
-  cut(linear.weight, 0, rows);
-  if (linear.bias.defined()) cut(linear.bias, 0, rows);
-  linear.options.out_features(rows.count);
+  int64_t kept = 0;
+  for (const RowRange& rows : pieces) {
+    if (rows.first < 0 || rows.count <= 0 || rows.first + rows.count > out) {
+      throw Error("mdist::tp::parallelize_column: rows [" + std::to_string(rows.first) + ", " +
+                  std::to_string(rows.first + rows.count) + ") are not within the " +
+                  std::to_string(out) + " output features");
+    }
+    kept += rows.count;
+  }
+  keep_rows(linear.weight, pieces);
+  if (linear.bias.defined()) keep_rows(linear.bias, pieces);
+  linear.options.out_features(kept);
   const Counters counters = options.counters;
   if (options.copy_input) {
     nn::register_forward_pre_hook(

@@ -41,6 +41,8 @@ constexpr const char* kOptimizerFormat = "mdist.adamw.blocks.v3";
 constexpr const char* kOptimizerFormatV2 = "mdist.adamw.blocks.v2";
 constexpr const char* kOptimizerFormatV1 = "mdist.adamw.rows.v1";
 constexpr const char* kMoments[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+// Between a moment's key and the number of a further row range of it (Block::full_rows).
+constexpr char kPieceMark[] = "#";
 
 std::string step_name(int step) {
   char name[32];
@@ -113,6 +115,10 @@ struct Block {
   int64_t rows = 0;
   int64_t col_offset = 0;
   bool writes = false;
+  // The full tensor's row ranges of local rows [0, rows), in order: one ([row_offset, +rows))
+  // but for a fused weight split as several row ranges (Phi-3's qkv_proj under --tp), whose
+  // rows are written as one piece per range ("NAME/exp_avg", "NAME/exp_avg#1", ...).
+  std::vector<tp::RowRange> full_rows;
 };
 
 // Which ranks hold the first copy of a whole parameter: data-parallel rank 0, or for an
@@ -137,15 +143,21 @@ class FirstCopies {
 
 Block block_of(const std::string& name, const ParamPlacement& place,
                const hf::Parallelism& parallelism, const FirstCopies& first_copies) {
-  Block block{place.row_offset, place.rows, 0, false};
+  Block block{place.row_offset, place.rows, 0, false, {}};
   bool primary = true;
   if (parallelism.tensor_parallel_split()) {
     const auto& plan = parallelism.tensor_parallel;
     const auto tp = plan->placement(name);
     primary = tp.primary;
     using Split = hf::TensorParallelPlacement::Split;
-    if (tp.split == Split::kRows) block.row_offset += tp.offset;
+    if (tp.split == Split::kRows) {
+      block.full_rows = tp.full_rows_of(place.row_offset, place.rows);
+      block.row_offset = block.full_rows.empty() ? 0 : block.full_rows.front().first;
+    }
     if (tp.split == Split::kColumns) block.col_offset = tp.offset;
+  }
+  if (block.full_rows.empty() && place.rows > 0) {
+    block.full_rows.push_back({block.row_offset, place.rows});
   }
   block.writes = place.rows > 0 && primary && (place.sharded || first_copies.holds(name));
   return block;
@@ -172,9 +184,18 @@ void write_optimizer_rows(const fs::path& file, hf::CausalLM& model,
     const at::Tensor moments[] = {state->exp_avg(), state->exp_avg_sq(), state->max_exp_avg_sq()};
     for (std::size_t i = 0; i < std::size(kMoments); ++i) {
       if (!moments[i].defined() || (i == 2 && moments[i].numel() == 0)) continue;
-      const std::string key = name + "/" + kMoments[i];
-      tensors[key] = owned(moments[i], place.rows).to(torch::kCPU);
-      metadata[key] = std::to_string(block.row_offset) + "," + std::to_string(block.col_offset);
+      const at::Tensor rows = owned(moments[i], place.rows).to(torch::kCPU);
+      int64_t local = 0;
+      for (std::size_t j = 0; j < block.full_rows.size(); ++j) {
+        const tp::RowRange& range = block.full_rows[j];
+        const std::string key =
+            name + "/" + kMoments[i] + (j == 0 ? "" : kPieceMark + std::to_string(j));
+        tensors[key] = rows.dim() == 0 || block.full_rows.size() == 1
+                           ? rows
+                           : rows.narrow(0, local, range.count).contiguous();
+        metadata[key] = std::to_string(range.first) + "," + std::to_string(block.col_offset);
+        local += range.count;
+      }
     }
     tensors[name + "/step"] = torch::full({1}, state->step(), torch::kLong);
     metadata[name + "/step"] = "0,0";
@@ -238,13 +259,14 @@ class OptimizerRows {
           throw InputError("'" + path.string() + "' has no row offset for '" + key + "'");
         }
         const auto shape = file.info(key).shape;
-        Piece piece{&file, 0, shape.at(0), 0, shape.size() >= 2 ? shape[1] : 1};
+        Piece piece{&file, 0, shape.at(0), 0, shape.size() >= 2 ? shape[1] : 1, key};
         if (std::sscanf(offset->second.c_str(), "%" SCNd64 ",%" SCNd64, &piece.offset,
                         &piece.col_offset) < 1) {
           throw InputError("'" + path.string() + "': bad offset '" + offset->second + "' for '" +
                            key + "'");
         }
-        pieces_[key].push_back(piece);
+        // A fused weight's further row ranges are pieces of the same moment.
+        pieces_[key.substr(0, key.find(kPieceMark))].push_back(piece);
       }
     }
   }
@@ -285,7 +307,7 @@ class OptimizerRows {
         shape.empty() ? 1 : c10::multiply_integers(shape) / std::max<int64_t>(rows, 1);
     int64_t covered = 0;
     for (const auto& piece : it->second) {
-      const auto& info = piece.file->info(key);
+      const auto& info = piece.file->info(piece.key);
       const int64_t piece_row_numel = info.shape.empty() ? 1
                                                          : c10::multiply_integers(info.shape) /
                                                                std::max<int64_t>(info.shape[0], 1);
@@ -324,7 +346,7 @@ class OptimizerRows {
       const int64_t clo = columns ? std::max(col_first, piece.col_offset) : 0;
       const int64_t chi = columns ? std::min(col_first + cols, piece.col_offset + piece.cols) : 1;
       if (lo >= hi || clo >= chi) continue;
-      at::Tensor source = piece.file->read_rows(key, lo - piece.offset, hi - lo);
+      at::Tensor source = piece.file->read_rows(piece.key, lo - piece.offset, hi - lo);
       at::Tensor into = target.narrow(0, lo - first, hi - lo);
       if (columns) {
         source = source.narrow(1, clo - piece.col_offset, chi - clo);
@@ -346,6 +368,7 @@ class OptimizerRows {
     int64_t rows;
     int64_t col_offset;
     int64_t cols;
+    std::string key;  // in the file (a further row range's has its number: "...#1")
   };
   // A parameter's step, written by each rank holding a first copy of part of it: the copies
   // must agree.
@@ -734,8 +757,13 @@ void load_training_checkpoint(const fs::path& checkpoint, hf::CausalLM& model,
     const auto read = [&](const char* kind) {
       auto moment = torch::zeros_like(place.param, at::MemoryFormat::Contiguous);
       if (place.rows > 0) {
-        rows.read(name + "/" + kind, block.row_offset, place.rows, block.col_offset,
-                  target(moment));
+        int64_t local = 0;
+        for (const tp::RowRange& range : block.full_rows) {
+          at::Tensor into = target(moment);
+          if (block.full_rows.size() > 1) into = into.narrow(0, local, range.count);
+          rows.read(name + "/" + kind, range.first, range.count, block.col_offset, into);
+          local += range.count;
+        }
       }
       return moment;
     };

@@ -474,17 +474,26 @@ TEST(FamilyConfig, RefusalsNameWhatIsUnsupported) {
                         "num_attention_heads": 4, "vocab_size": 40})");
               }),
               HasSubstr("pad_token_id defaults to 32000 for Phi3ForCausalLM"));
-  // Tensor parallelism: refused by name, before anything is split.
+  // Tensor parallelism: both split by whole KV heads per rank (config_json's 2); one KV head
+  // over 2 ranks is refused by name, before anything is split.
+  EXPECT_NO_THROW(mdist::hf::check_tensor_parallel_split(
+      LlamaConfig::from_json(config_json("Phi3ForCausalLM")), 2));
+  EXPECT_NO_THROW(mdist::hf::check_tensor_parallel_split(
+      LlamaConfig::from_json(config_json("Olmo2ForCausalLM")), 2));
+  EXPECT_THAT(
+      error_of([] {
+        mdist::hf::check_tensor_parallel_split(
+            LlamaConfig::from_json(config_json("Phi3ForCausalLM", R"(, "num_key_value_heads": 1)")),
+            2);
+      }),
+      HasSubstr("Phi3ForCausalLM's fused self_attn.qkv_proj splits by whole KV heads"));
   EXPECT_THAT(error_of([] {
                 mdist::hf::check_tensor_parallel_split(
-                    LlamaConfig::from_json(config_json("Phi3ForCausalLM")), 2);
+                    LlamaConfig::from_json(
+                        config_json("Olmo2ForCausalLM", R"(, "num_key_value_heads": 1)")),
+                    2);
               }),
-              HasSubstr("Phi3ForCausalLM's fused self_attn.qkv_proj and mlp.gate_up_proj"));
-  EXPECT_THAT(error_of([] {
-                mdist::hf::check_tensor_parallel_split(
-                    LlamaConfig::from_json(config_json("Olmo2ForCausalLM")), 2);
-              }),
-              HasSubstr("Olmo2ForCausalLM's self_attn.q_norm and k_norm span all heads"));
+              HasSubstr("Olmo2ForCausalLM's self_attn.k_norm over all KV heads"));
   EXPECT_NO_THROW(mdist::hf::check_tensor_parallel_split(
       LlamaConfig::from_json(config_json("Olmo2ForCausalLM")), 1));
 }

@@ -64,9 +64,15 @@ double max_diff(const at::Tensor& a, const at::Tensor& b) {
 
 // The part of a full (reference) tensor that `placement` says this rank holds.
 at::Tensor local_part(const at::Tensor& full, const mdist::hf::TensorParallelPlacement& p) {
-  if (p.split == Split::kRows) return full.narrow(0, p.offset, p.length);
-  if (p.split == Split::kColumns) return full.narrow(1, p.offset, p.length);
-  return full;
+  return p.local_part(full);
+}
+
+// Whether hf::parallelize splits `config` over t ranks: whole query heads per rank, and for
+// Phi-3's fused qkv_proj and OLMo 2's full-width k norm whole KV heads (no shared ones).
+bool splits(const LlamaConfig& config, int t) {
+  const bool whole_kv = config.num_key_value_heads % t == 0;
+  return config.num_attention_heads % t == 0 &&
+         (whole_kv || !(config.fused_projections || config.qk_norm_full_width));
 }
 
 // ---- collectives and layers ----
@@ -248,7 +254,7 @@ class TpArchitectures : public ::testing::TestWithParam<std::string> {};
 TEST_P(TpArchitectures, SplitModelEqualsUnsplitInLogitsLossAndGradients) {
   for (const int t : tp_sizes()) {
     LlamaConfig config = fixture(GetParam());
-    if (config.num_attention_heads % t != 0) {
+    if (!splits(config, t)) {
       EXPECT_THROW(mdist::hf::check_tensor_parallel_split(config, t), mdist::Error);
       continue;
     }
@@ -257,7 +263,8 @@ TEST_P(TpArchitectures, SplitModelEqualsUnsplitInLogitsLossAndGradients) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, TpArchitectures,
-                         ::testing::Values("llama", "mistral", "qwen2", "qwen3"));
+                         ::testing::Values("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2",
+                                           "gemma2", "gemma3"));
 
 TEST(TpLlama, BiasesTiedHeadAndReplicatedKvHeadsMatchTheUnsplitModel) {
   for (const int t : tp_sizes()) {
@@ -302,6 +309,19 @@ TEST(TpLlama, SplitsThatCannotWorkAreOneErrorNamingTheSizes) {
   odd.intermediate_size = 50;
   EXPECT_NE(message(odd, 4).find("intermediate_size 50"), std::string::npos);
   EXPECT_EQ(message(small(4, 1), 4), "");
+  // A fused qkv_proj (Phi-3) or a k norm over every KV head (OLMo 2) splits by whole KV heads.
+  LlamaConfig fused = small(4, 1);
+  fused.architecture = "Phi3ForCausalLM";
+  fused.fused_projections = true;
+  EXPECT_NE(message(fused, 2).find("num_key_value_heads 1 does not divide by 2 (Phi3ForCausalLM's "
+                                   "fused self_attn.qkv_proj splits by whole KV heads per rank)"),
+            std::string::npos);
+  EXPECT_EQ(message(small(4, 2), 2), "");
+  LlamaConfig full_width = small(4, 1);
+  full_width.architecture = "Olmo2ForCausalLM";
+  full_width.qk_norm = full_width.qk_norm_full_width = true;
+  EXPECT_NE(message(full_width, 4).find("(Olmo2ForCausalLM's self_attn.k_norm over all KV heads"),
+            std::string::npos);
   // parallelize after fsdp2_wrap: the plan must come first.
   CausalLM wrapped = seeded(small(4, 4));
   mdist::fsdp2_wrap(*wrapped);
@@ -392,7 +412,7 @@ std::vector<std::pair<int, int>> layouts() {  // (dp, tp)
 // Ten AdamW steps with clipping on a global batch split over dp, the model split over tp: the
 // losses and the saved checkpoint equal a single-process run on the whole batch.
 TEST(TpFsdp, TrainingOnEveryLayoutMatchesOneProcessAndSavesTheHfLayout) {
-  for (const std::string arch : {"llama", "qwen2", "qwen3"}) {
+  for (const std::string arch : {"llama", "qwen2", "qwen3", "phi3", "olmo2"}) {
     const LlamaConfig config = fixture(arch);
     torch::manual_seed(6);
     const int64_t global_batch = 12;
@@ -413,7 +433,7 @@ TEST(TpFsdp, TrainingOnEveryLayoutMatchesOneProcessAndSavesTheHfLayout) {
       }
     }
     for (const auto& [dp, t] : layouts()) {
-      if (config.num_attention_heads % t != 0) continue;
+      if (!splits(config, t)) continue;
       const std::string label =
           arch + " (dp, tp) = (" + std::to_string(dp) + ", " + std::to_string(t) + ")";
       const auto state = mdist::make_parallel_state({.tensor_parallel = t});
@@ -458,7 +478,7 @@ TEST(TpFsdp, TrainingOnEveryLayoutMatchesOneProcessAndSavesTheHfLayout) {
       EXPECT_EQ(saved.names().size(), reference->named_parameters().size()) << label;
       // Loaded back split over every layout: each rank reads only its slice's rows.
       for (const auto& [dp2, t2] : layouts()) {
-        if (config.num_attention_heads % t2 != 0) continue;
+        if (!splits(config, t2)) continue;
         const auto state2 = mdist::make_parallel_state({.tensor_parallel = t2});
         auto [loaded, parallelism] = mdist::hf::load_pretrained_fsdp2(dir, {.parallel = state2});
         const at::NoGradGuard no_grad;

@@ -541,6 +541,81 @@ TEST(Accumulation, EqualsPyTorchFsdp2OnTwoRanks) {
   }
 }
 
+// Phi-3 (fused qkv_proj / gate_up_proj, longrope past its pretraining length), OLMo 2 (post
+// norms, full-width q/k norms), Gemma 2 (soft-capping, a sliding layer) and Gemma 3 train as
+// transformers + PyTorch FSDP2 on 2 ranks (make_family_fsdp2_reference.py: 3 AdamW steps, one
+// forward per rank, every token predicted): the same initial weights and data give the same
+// losses and final weights (1e-5), with FSDP2 over the 2 ranks and with --tp 2 alike.
+TEST(Accumulation, FamiliesEqualPyTorchFsdp2OnTwoRanks) {
+  if (mdist::size() != 2) GTEST_SKIP() << "the references ran on 2 ranks";
+  for (const std::string family : {"phi3", "olmo2", "gemma2", "gemma3"}) {
+    const fs::path dir = fs::path(MDIST_FAMILY_FSDP2_REFERENCES) / family;
+    std::ifstream expected_file(dir / "expected.json");
+    ASSERT_TRUE(expected_file) << dir;
+    const auto expected = nlohmann::json::parse(expected_file);
+    const auto& settings = expected.at("settings");
+    ASSERT_EQ(settings.at("ranks").get<int>(), 2);
+    const mdist::hf::SafetensorsFile data_file(dir / "data.safetensors");
+    const at::Tensor ids = data_file.tensor("ids").clone();
+    const at::Tensor mask = data_file.tensor("attention_mask").clone();
+    mdist::train::SequenceSource source;
+    source.count = ids.size(0);
+    source.length = ids.size(1);
+    source.rows = [=](const std::vector<std::int64_t>& which) {
+      const at::Tensor rows = torch::tensor(which, torch::kLong).remainder(ids.size(0));
+      return mdist::train::Batch{.ids = ids.index_select(0, rows),
+                                 .attention_mask = mask.index_select(0, rows)};
+    };
+    source.description = "PyTorch FSDP2 reference";
+    const mdist::hf::SafetensorsFile want_file(dir / "expected.safetensors");
+    const LlamaConfig config = LlamaConfig::from_file(dir / "config.json");
+    const auto steps = expected.at("steps");
+    for (const Layout layout : {Layout{}, Layout{.tp = 2}}) {
+      const std::string what = family + " tp " + std::to_string(layout.tp);
+      mdist::train::TrainerOptions o;
+      o.steps = settings.at("steps").get<int>();
+      o.global_batch = mdist::size() * settings.at("per_rank").get<std::int64_t>();
+      o.schedule = {.peak = settings.at("peak_lr").get<double>(),
+                    .warmup_steps = settings.at("warmup").get<int>(),
+                    .total_steps = o.steps,
+                    .min_ratio = settings.at("min_ratio").get<double>()};
+      o.weight_decay = settings.at("weight_decay").get<double>();
+      o.grad_clip = settings.at("grad_clip").get<double>();
+      auto t = trainer(loaded_job(dir, layout), source, o, causal_lm_loss(config));
+      const auto got = run(*t, o.steps);
+      ASSERT_EQ(got.size(), steps.size()) << what;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        const double loss = steps[i].at("loss").get<double>();
+        const double norm = steps[i].at("grad_norm").get<double>();
+        EXPECT_NEAR(got[i].loss, loss, 1e-5 * loss) << what << ", step " << i + 1;
+        EXPECT_NEAR(got[i].grad_norm, norm, 1e-5 * norm) << what << ", step " << i + 1;
+      }
+      // Every rank's tensors: the tensor-parallel ranks join theirs collectively.
+      auto weights = mdist::full_state_dict(*t->model(), {.keep = true});
+      if (t->parallelism().tensor_parallel_split()) {
+        weights = t->parallelism().tensor_parallel->gather(weights);
+      }
+      if (mdist::rank() != 0) continue;
+      double worst = 0;
+      std::string worst_name;
+      for (const std::string& name : want_file.names()) {
+        ASSERT_TRUE(weights.contains(name)) << what << " " << name;
+        const at::Tensor want = want_file.tensor(name);
+        ASSERT_EQ(weights.at(name).sizes(), want.sizes()) << what << " " << name;
+        const double diff = (weights.at(name) - want).abs().max().item<double>();
+        if (diff > worst) {
+          worst = diff;
+          worst_name = name;
+        }
+      }
+      EXPECT_LE(worst, 1e-5) << what;
+      std::cout << what << ": losses " << got.front().loss << " .. " << got.back().loss
+                << ", weights after " << o.steps << " steps within " << worst << " of PyTorch's ("
+                << worst_name << ")" << std::endl;
+    }
+  }
+}
+
 // A micro-batch that does not divide the rank's batch is refused before anything runs.
 TEST(Accumulation, AMicroBatchThatDoesNotDivideTheRanksBatchIsRefused) {
   const Layout layout;

@@ -55,6 +55,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -78,6 +79,10 @@ struct RMSNormImpl : torch::nn::Module {
   double eps;
   bool weight_in_fp32 = false;
   bool unit_offset = false;
+  // The mean of squares over the normalised features, from fp32 x (keepdim); empty: over x's
+  // last dimension. hf::parallelize sets it for a norm over features split across ranks
+  // (OLMo 2's q/k norms), whose mean needs the other ranks' squares.
+  std::function<at::Tensor(const at::Tensor&)> mean_square;
 };
 TORCH_MODULE(RMSNorm);
 

@@ -33,6 +33,7 @@
 #include "mdist/groups/parallel_state.h"
 #include "mdist/hf/causal_lm.h"
 #include "mdist/tp/collectives.h"
+#include "mdist/tp/layers.h"
 
 namespace mdist::hf {
 
@@ -47,8 +48,20 @@ struct TensorParallelPlacement {
   // them and counts them in a global norm. Every rank for a split tensor; tensor-parallel
   // rank 0 for a replicated one; the first of the ranks sharing a replicated KV head.
   bool primary = true;
+  // kRows of a fused weight (Phi-3's qkv_proj and gate_up_proj, whose parts split
+  // separately): the full tensor's row ranges this rank holds, in its local order; `offset` is
+  // then the first range's and `length` their total. Empty: the one range [offset, offset +
+  // length).
+  std::vector<tp::RowRange> pieces;
   // The shape this rank's tensor has.
   std::vector<int64_t> local_shape() const;
+  // kRows: the full tensor's row ranges this rank holds, in local order.
+  std::vector<tp::RowRange> row_ranges() const;
+  // kRows: local rows [first, first + count) as ranges of the full tensor's rows.
+  std::vector<tp::RowRange> full_rows_of(int64_t first, int64_t count) const;
+  // This rank's part of a tensor of the full shape (rows or columns as placed; a replicated
+  // tensor as it is).
+  at::Tensor local_part(const at::Tensor& full) const;
 };
 
 class TensorParallelPlan {

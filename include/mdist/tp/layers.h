@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "mdist/runtime/group.h"
 #include "mdist/tp/collectives.h"
@@ -43,6 +44,10 @@ struct ColumnParallelOptions {
   // layer replicated on several ranks (KV heads shared by ranks), give the same rows to each
   // and sum their gradients with sum_gradients_over over the ranks that share them.
   std::optional<RowRange> rows = std::nullopt;
+  // Several row ranges instead, kept in this order (a fused projection whose rows are parts
+  // split separately, as Phi-3's qkv_proj: this rank's query, key and value heads); overrides
+  // `rows` when not empty.
+  std::vector<RowRange> row_pieces = {};
   // Where its collectives are counted (the plan the layer belongs to); null: nowhere.
   Counters counters = nullptr;
 };
@@ -62,6 +67,11 @@ void parallelize_row(torch::nn::LinearImpl& linear, const Group& group,
 // every rank, as torch's embedding refuses it. padding_idx keeps its meaning (no gradient).
 void parallelize_vocab_embedding(torch::nn::EmbeddingImpl& embedding, const Group& group,
                                  const Counters& counters = nullptr);
+
+// Replaces `param`'s values by its rows (dim 0) `pieces`, concatenated in order, keeping the
+// TensorImpl and requires_grad (on the meta device: the shape only). For a parameter split
+// with no layer of its own (a norm weight over split features).
+void keep_rows(at::Tensor& param, const std::vector<RowRange>& pieces);
 
 // Rank r's part of `size` split over `parts`: [r * size / parts, (r + 1) * size / parts);
 // Error naming `what` when it does not divide.
