@@ -792,8 +792,9 @@ TEST_F(QuantizeCommand, ExpertParallelGivesOneRanksExport) {
   }
   const auto run_quantize = [&](const std::string& format, int ranks,
                                 const std::vector<std::string>& more) {
-    const fs::path out = dir_ / ("moe-" + format + "-" + std::to_string(ranks) + "ranks" +
-                                 (more.empty() ? "" : "-ep"));
+    std::string name = "moe-" + format + "-" + std::to_string(ranks) + "ranks";
+    for (const auto& arg : more) name += arg.starts_with("--") ? arg.substr(1) : "-" + arg;
+    const fs::path out = dir_ / name;
     const auto r = mdist(ranks, with({"quantize", "--model", model.string(), "--format", format,
                                       "--data", data.string(), "--eval-data", data.string(),
                                       "--seq-len", "16", "--out", out.string()},
@@ -817,6 +818,13 @@ TEST_F(QuantizeCommand, ExpertParallelGivesOneRanksExport) {
     expect_same(run_quantize(format, 2, {"--ep", "2"}), one);
     if (format == "fp8") expect_same(run_quantize(format, 4, {"--ep", "2"}), one);
   }
+  // The FP8 KV cache: the attention is replicated over the expert-parallel ranks, its k_scale
+  // and v_scale synced over data parallel.
+  const fs::path kv_one = run_quantize("fp8", 1, {"--kv-cache", "fp8"});
+  const fs::path kv_ep = run_quantize("fp8", 2, {"--kv-cache", "fp8", "--ep", "2"});
+  expect_same(kv_ep, kv_one);
+  EXPECT_TRUE(hf::SafetensorsFile(kv_ep / "model.safetensors")
+                  .contains("model.layers.1.self_attn.k_proj.k_scale"));
 }
 
 // A routed expert that no calibration token reached: modelopt's "MoE calibration incomplete",
