@@ -17,8 +17,11 @@
 // before loading). int4_awq and w4a8_awq calibrate with AWQ-lite (two passes over the
 // calibration data, three on the FSDP2-wrapped model: the folded weights' block amax is taken
 // in the third). --kv-cache fp8 adds modelopt's FP8_KV_CFG (quant::add_kv_cache_rules) to any
-// format. Not implemented yet (refused with one line, exit 2): expert parallelism (--ep),
-// --param-dtype.
+// format. --ep E splits a mixture of experts' routed experts over expert-parallel groups as
+// `calibrate --ep` does (each expert's amax synced over the ranks holding it, the export
+// gathering them to rank 0); with the max-calibrated formats (fp8, int8, nvfp4: SmoothQuant and
+// AWQ refuse a mixture of experts). Not implemented yet (refused with one line, exit 2): --ep
+// with --tp, --param-dtype.
 //
 // Progress: on a terminal rank 0 redraws one line per phase in place (held-out loss before,
 // calibrating, SmoothQuant's smoothing pass, held-out loss after, exporting) with a count of
@@ -117,12 +120,15 @@ QuantizeInputs check_inputs(const QuantizeOptions& o) {
           "--param-dtype is not supported by quantize: the model is calibrated and exported in "
           "its weights' dtype");
     }
-    if (o.io.expert_parallel != 1) {
-      throw InputError("--ep " + std::to_string(o.io.expert_parallel) +
-                       ": quantize does not support expert parallelism yet (mdist::quant refuses "
-                       "expert-parallel models)");
-    }
     check_tensor_parallel_size(o.io.tensor_parallel);
+    check_expert_parallel_size(o.io.expert_parallel, o.io.tensor_parallel);
+    if (o.io.expert_parallel > 1 && o.io.tensor_parallel > 1) {
+      // mdist::quant refuses it too: the export's gathers of experts and of tensor-parallel
+      // shards are not combined yet.
+      throw InputError("--ep " + std::to_string(o.io.expert_parallel) + " with --tp " +
+                       std::to_string(o.io.tensor_parallel) +
+                       ": quantize does not support expert and tensor parallelism together yet");
+    }
     // Before the model's own checks: a quantized checkpoint is named as such, whatever its
     // quant_algo (the loader reads only some).
     if (o.io.model_dir) {
@@ -141,6 +147,7 @@ QuantizeInputs check_inputs(const QuantizeOptions& o) {
     in.choice = model_for_inference(o.io.model_dir, o.default_run);
     check_not_quantized(in.choice, "quantize");
     check_tensor_parallel(o.io.tensor_parallel, in.choice.config);
+    check_expert_parallel(o.io.expert_parallel, o.io.tensor_parallel, in.choice.config);
     if (!o.kv_cache.empty() && in.choice.config.fused_projections) {
       // mdist::quant refuses it too (kv_cache.h).
       throw InputError("--kv-cache " + o.kv_cache +
@@ -218,31 +225,44 @@ class ExpertTokens {
   std::vector<nn::HookHandle> hooks_;
 };
 
-// The routed experts some data-parallel rank sent no calibration token ("MoE calibration
+// The routed experts some rank holding them ran on no calibration token ("MoE calibration
 // incomplete", as modelopt raises and `mdist calibrate` reports): an agreed InputError.
 // Stricter than modelopt on several ranks: FSDP2 gathers an expert's weight only inside its
-// forward, so its weight amax is taken there, on every rank; an expert a rank never ran has
-// no weight amax on that rank (quant::quantize refuses it), so it is refused here first, by
-// every rank alike.
+// forward, so its weight amax is taken there, on every rank that holds it; an expert a rank
+// never ran has no weight amax on that rank (quant::quantize refuses it), so it is refused here
+// first, by every rank alike. Without expert parallelism a rank runs every expert on its own
+// tokens; with it, the rank holding global expert E runs it on the tokens its expert-parallel
+// group (a consecutive chunk of the data-parallel ranks) routed to E: their counts are summed.
 void check_experts_reached(const ExpertTokens& tokens, const JobLayout& layout) {
   const DistributedProcessGroup& dp = layout.parallel.data_parallel_group;
   const auto per_rank =
       dp.is_initialized() ? allgather(tokens.counts(), dp.group()) : std::vector{tokens.counts()};
+  const auto ep = static_cast<std::size_t>(layout.expert_parallel());
   agree_on_inputs([&] {
     std::vector<std::string> missing;
+    const std::size_t groups = per_rank.size() / ep;
     for (const auto& [module, counts] : tokens.counts()) {
       for (std::size_t e = 0; e < counts.size(); ++e) {
-        std::vector<int> without;
-        for (std::size_t r = 0; r < per_rank.size(); ++r) {
-          if (per_rank[r].at(module)[e] == 0) without.push_back(static_cast<int>(r));
+        std::vector<int> without;  // groups (one rank each without expert parallelism)
+        for (std::size_t g = 0; g < groups; ++g) {
+          int64_t reached = 0;
+          for (std::size_t r = g * ep; r < (g + 1) * ep; ++r) reached += per_rank[r].at(module)[e];
+          if (reached == 0) without.push_back(static_cast<int>(g));
         }
         if (without.empty()) continue;
-        std::string ranks;
-        for (const int r : without) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+        std::string where;
+        for (const int g : without) {
+          where += where.empty() ? "" : ",";
+          where += ep == 1 ? std::to_string(g)
+                           : std::to_string(g * ep) + "-" + std::to_string((g + 1) * ep - 1);
+        }
         missing.push_back(module + "." + std::to_string(e) +
-                          (without.size() == per_rank.size()
-                               ? " (no tokens on any rank)"
-                               : " (no tokens on rank(s) " + ranks + ")"));
+                          (without.size() == groups ? " (no tokens on any rank)"
+                           : ep == 1
+                               ? " (no tokens on rank(s) " + where + ")"
+                               : " (no tokens from the expert-parallel group(s) of data-parallel "
+                                 "ranks " +
+                                     where + ")"));
       }
     }
     if (missing.empty()) return;
@@ -329,7 +349,7 @@ int run_quantize(const QuantizeOptions& o) {
   const QuantizeInputs in = check_inputs(o);
   const Windows calib_windows(in.calib, o.io.seq_len, "quantize: calibration");
   const Windows eval_windows(in.eval, o.io.seq_len, "quantize: held-out");
-  const JobLayout layout = make_layout(o.io.tensor_parallel);
+  const JobLayout layout = make_layout(o.io.tensor_parallel, o.io.expert_parallel);
   const auto start = std::chrono::steady_clock::now();
   auto lap = start;
   const auto seconds_since = [](auto& since) {
@@ -417,7 +437,9 @@ int run_quantize(const QuantizeOptions& o) {
       check_experts_reached(expert_tokens, layout);
     };
     quantizers = quant::quantize(model, config, loop,
-                                 {.parallel = layout.parallel, .parallelism = built.parallelism});
+                                 {.parallel = layout.parallel,
+                                  .parallelism = built.parallelism,
+                                  .expert_data_parallel = layout.expert_data_parallel});
   }
   const double calibrate_s = seconds_since(lap);
   phase("held-out loss after quantization", eval_total);
@@ -460,6 +482,7 @@ int run_quantize(const QuantizeOptions& o) {
          {{"world", mdist::size()},
           {"data_parallel", mdist::size() / tp},
           {"tensor_parallel", tp},
+          {"expert_parallel", layout.expert_parallel()},
           {"description", describe_layout(layout)}}},
         {"seconds",
          {{"load", load_s},

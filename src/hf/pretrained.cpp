@@ -264,8 +264,8 @@ void save_pretrained(CausalLM& model, const std::filesystem::path& dir,
   save_pretrained(model, Parallelism{}, dir, max_shard_bytes);
 }
 
-void save_pretrained(CausalLM& model, const Parallelism& parallelism,
-                     const std::filesystem::path& dir, std::uint64_t max_shard_bytes) {
+std::map<std::string, at::Tensor> whole_parameters(CausalLM& model,
+                                                   const Parallelism& parallelism) {
   std::map<std::string, at::Tensor> tensors;
   const auto& plan = parallelism.tensor_parallel;
   if (parallelism.expert_parallel) {
@@ -308,6 +308,12 @@ void save_pretrained(CausalLM& model, const Parallelism& parallelism,
   } else if (is_master()) {
     for (const auto& item : model->named_parameters()) tensors[item.key()] = item.value().detach();
   }
+  return tensors;
+}
+
+void save_pretrained(CausalLM& model, const Parallelism& parallelism,
+                     const std::filesystem::path& dir, std::uint64_t max_shard_bytes) {
+  const std::map<std::string, at::Tensor> tensors = whole_parameters(model, parallelism);
   if (!is_master()) return;
   std::error_code error;
   std::filesystem::create_directories(dir, error);

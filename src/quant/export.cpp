@@ -7,19 +7,22 @@
 #include <c10/util/Half.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "mdist/error.h"
-#include "mdist/fsdp/fully_shard.h"
-#include "mdist/fsdp/state_dict.h"
+#include "mdist/hf/expert_parallel.h"
+#include "mdist/hf/pretrained.h"
 #include "mdist/hf/safetensors.h"
 #include "mdist/hf/tensor_parallel.h"
 #include "mdist/io/atomic_file.h"
+#include "mdist/objects/codec.h"
 #include "mdist/objects/collectives.h"
 #include "mdist/runtime/runtime.h"
 #include "src/quant/export_awq.h"
@@ -101,35 +104,46 @@ LayerFormat layer_format(const QuantizedLinear& q) {
 // `to_quantized_weight`), scales squeezed as `postprocess_state_dict` leaves them.
 // `weight_amax`: the whole layer's (under tensor parallelism, a column-parallel per-row amax
 // gathered from the ranks).
-void export_linear(const QuantizedLinear& q, LayerFormat format, const at::Tensor& weight_amax,
-                   const at::Tensor& input_amax, std::map<std::string, at::Tensor>& tensors) {
-  const at::Tensor weight = tensors.at(q.name + ".weight");
+// `maxbound`: the input and weight quantizers' (under expert parallelism another rank's
+// expert is exported from what that rank sent: ExportedLinear).
+struct Maxbound {
+  double input = 0;
+  double weight = 0;
+};
+
+Maxbound maxbound(const QuantizedLinear& q) {
+  return {q.input_quantizer->format().maxbound(), q.weight_quantizer->format().maxbound()};
+}
+
+void export_linear(const std::string& name, LayerFormat format, Maxbound bound,
+                   const at::Tensor& weight_amax, const at::Tensor& input_amax,
+                   std::map<std::string, at::Tensor>& tensors) {
+  const at::Tensor weight = tensors.at(name + ".weight");
   if (format == LayerFormat::nvfp4) {
     detail::Nvfp4Weight packed = detail::nvfp4_export_weight(weight, weight_amax);
-    tensors[q.name + ".weight"] = std::move(packed.packed);
-    tensors[q.name + ".weight_scale"] = std::move(packed.weight_scale);
-    tensors[q.name + ".weight_scale_2"] = std::move(packed.weight_scale_2);
-    tensors[q.name + ".input_scale"] = detail::nvfp4_input_scale(input_amax);
+    tensors[name + ".weight"] = std::move(packed.packed);
+    tensors[name + ".weight_scale"] = std::move(packed.weight_scale);
+    tensors[name + ".weight_scale_2"] = std::move(packed.weight_scale_2);
+    tensors[name + ".input_scale"] = detail::nvfp4_input_scale(input_amax);
     return;
   }
-  const at::Tensor input_scale = scaling_factor(input_amax, q.input_quantizer->format().maxbound());
+  const at::Tensor input_scale = scaling_factor(input_amax, bound.input);
   at::Tensor weight_scale;
   if (format == LayerFormat::fp8) {
     // modelopt's FP8 branch of `_export_quantized_weight`: amax to fp32, a 0-d scale
     // amax / 448 (no sanitising), and W / scale in the weights' dtype (a 0-d tensor does not
     // promote: bf16 weights are divided in bf16).
     weight_scale = weight_amax.to(at::kFloat).reshape({}) / 448.0;
-    tensors[q.name + ".weight"] = (weight / weight_scale).to(at::kFloat8_e4m3fn);
+    tensors[name + ".weight"] = (weight / weight_scale).to(at::kFloat8_e4m3fn);
   } else {
     // `to_quantized_weight` with the [out] fp32 scale of get_weight_scaling_factor: the
     // [out, 1] divisor promotes bf16 weights to fp32.
-    weight_scale =
-        scaling_factor(weight_amax, q.weight_quantizer->format().maxbound()).reshape({-1});
-    tensors[q.name + ".weight"] =
+    weight_scale = scaling_factor(weight_amax, bound.weight).reshape({-1});
+    tensors[name + ".weight"] =
         (weight / weight_scale.unsqueeze(1)).round().clamp(-128, 127).to(at::kChar);
   }
-  tensors[q.name + ".weight_scale"] = weight_scale.squeeze();
-  tensors[q.name + ".input_scale"] = input_scale.squeeze();
+  tensors[name + ".weight_scale"] = weight_scale.squeeze();
+  tensors[name + ".input_scale"] = input_scale.squeeze();
 }
 
 void check_dtypes(const std::map<std::string, at::Tensor>& tensors) {
@@ -140,28 +154,6 @@ void check_dtypes(const std::map<std::string, at::Tensor>& tensors) {
                   "; only fp32 and bf16 models can be exported yet");
     }
   }
-}
-
-bool keeps_whole(const hf::Parallelism& parallelism) {
-  const bool split = parallelism.tensor_parallel_split();
-  return split ? parallelism.tensor_parallel->holds_global_rank0()
-               : !mdist::is_initialized() || mdist::is_master();
-}
-
-// The whole parameters in the HF layout on rank 0, empty elsewhere. Collective where the
-// layout needs it, as modelopt's full-state-dict gather: FSDP gathers over its groups, and
-// under tensor parallelism the group holding rank 0 joins its parts (save_pretrained's path).
-std::map<std::string, at::Tensor> whole_parameters(hf::CausalLM& model,
-                                                   const hf::Parallelism& parallelism) {
-  const bool keep = keeps_whole(parallelism);
-  std::map<std::string, at::Tensor> local;
-  if (is_fsdp2_model(*model)) {
-    local = full_state_dict(*model, {.cpu = true, .keep = keep});
-  } else if (keep) {
-    for (const auto& item : model->named_parameters()) local[item.key()] = item.value().detach();
-  }
-  if (!parallelism.tensor_parallel_split() || !keep) return local;
-  return parallelism.tensor_parallel->gather(local);
 }
 
 // A per-input-channel vector of `q` (SmoothQuant's scales) for the whole layer: a row-parallel
@@ -302,6 +294,105 @@ at::Tensor whole_weight_amax(const QuantizedLinear& q, const hf::Parallelism& pa
   return whole;
 }
 
+// Under expert parallelism a rank's quantizers cover only the routed experts it holds. What
+// another rank needs of one of them to export it (the weight itself comes with the model's
+// parameters, hf::whole_parameters): the Linear's name, its LayerFormat, its quantizers'
+// maxbounds and its synced amaxes (undefined for an unquantized one).
+struct ExportedLinear {
+  std::string name;
+  int format = 0;
+  double input_maxbound = 0;
+  double weight_maxbound = 0;
+  at::Tensor weight_amax;
+  at::Tensor input_amax;
+};
+
+}  // namespace
+}  // namespace mdist::quant
+
+template <>
+struct mdist::Codec<mdist::quant::ExportedLinear> {
+  static void encode(mdist::ByteWriter& out, const mdist::quant::ExportedLinear& value) {
+    mdist::encode(out, value.name);
+    mdist::encode(out, value.format);
+    mdist::encode(out, value.input_maxbound);
+    mdist::encode(out, value.weight_maxbound);
+    mdist::encode(out, defined_or_empty(value.weight_amax));
+    mdist::encode(out, defined_or_empty(value.input_amax));
+  }
+  static mdist::quant::ExportedLinear decode(mdist::ByteReader& in) {
+    mdist::quant::ExportedLinear value;
+    value.name = mdist::decode<std::string>(in);
+    value.format = mdist::decode<int>(in);
+    value.input_maxbound = mdist::decode<double>(in);
+    value.weight_maxbound = mdist::decode<double>(in);
+    value.weight_amax = mdist::decode<at::Tensor>(in);
+    value.input_amax = mdist::decode<at::Tensor>(in);
+    return value;
+  }
+  // An undefined amax travels as an empty tensor.
+  static at::Tensor defined_or_empty(const at::Tensor& t) {
+    return t.defined() ? t.detach().cpu() : at::empty({0});
+  }
+};
+
+namespace mdist::quant {
+namespace {
+
+// The routed experts' Linears this rank holds (their names are global: hf::ExpertsImpl).
+std::vector<ExportedLinear> exported_experts(hf::CausalLM& model,
+                                             const ModelQuantizers& quantizers) {
+  std::vector<std::string> prefixes;
+  for (const auto& [prefix, experts] : hf::named_experts(model)) prefixes.push_back(prefix + ".");
+  std::vector<ExportedLinear> out;
+  for (const auto& q : quantizers.linears()) {
+    if (std::none_of(prefixes.begin(), prefixes.end(),
+                     [&](const std::string& p) { return q->name.starts_with(p); })) {
+      continue;
+    }
+    const LayerFormat layer = layer_format(*q);
+    ExportedLinear e{q->name, static_cast<int>(layer), 0, 0, {}, {}};
+    if (layer != LayerFormat::none) {
+      if (layer == LayerFormat::int4_awq || q->smoothing.defined()) {
+        throw Error("mdist::quant: export_hf_checkpoint: " + q->name +
+                    ": AWQ and SmoothQuant experts under expert parallelism are not supported");
+      }
+      const Maxbound bound = maxbound(*q);
+      e.input_maxbound = bound.input;
+      e.weight_maxbound = bound.weight;
+      e.weight_amax = whole_weight_amax(*q, hf::Parallelism());
+      e.input_amax = q->input_quantizer->amax();
+    }
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+// From every rank's experts (allgather, index = world rank): those this rank does not hold,
+// once each (the ranks of an expert-data-parallel group send the same synced amaxes), in
+// name order. Every rank computes the same list.
+std::vector<ExportedLinear> others_experts(const ModelQuantizers& quantizers,
+                                           const std::vector<std::vector<ExportedLinear>>& all,
+                                           LayerFormat format) {
+  std::set<std::string> held;
+  for (const auto& q : quantizers.linears()) held.insert(q->name);
+  std::map<std::string, ExportedLinear> others;
+  for (const auto& rank_experts : all) {
+    for (const auto& e : rank_experts) {
+      if (held.contains(e.name) || others.contains(e.name)) continue;
+      if (e.format != static_cast<int>(LayerFormat::none) && e.format != static_cast<int>(format)) {
+        throw Error(
+            "mdist::quant: export_hf_checkpoint: layers are quantized in several formats "
+            "(modelopt's MIXED_PRECISION); not supported yet");
+      }
+      others.emplace(e.name, e);
+    }
+  }
+  std::vector<ExportedLinear> out;
+  for (auto& [name, e] : others) out.push_back(std::move(e));
+  return out;
+}
+
 json producer() { return {{"name", "modelopt"}, {"version", "0.47.0 (mdist)"}}; }
 
 // config.json's quantization_config (modelopt's convert_hf_quant_config_format).
@@ -353,48 +444,71 @@ void write_files(hf::CausalLM& model, const std::map<std::string, at::Tensor>& t
 
 void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers,
                           const std::filesystem::path& dir, const hf::Parallelism& parallelism) {
-  if (parallelism.expert_parallel) {
-    throw Error("mdist::quant: export_hf_checkpoint: expert-parallel models are not supported yet");
+  const bool expert_parallel = parallelism.expert_parallel != nullptr;
+  if (expert_parallel && parallelism.tensor_parallel_split()) {
+    throw Error(
+        "mdist::quant: export_hf_checkpoint: expert and tensor parallelism together are not "
+        "supported yet");
   }
   if (!parallelism.tensor_parallel_split() && hf::is_tensor_parallel_split(model)) {
     throw Error(
         "mdist::quant: export_hf_checkpoint: the model is split by tensor parallelism; "
         "pass its hf::Parallelism");
   }
-  // Every check runs on every rank alike (the same model, the same synced quantizers), before
-  // any collective and any file.
-  std::map<std::string, at::Tensor> local_parameters;
-  for (const auto& item : model->named_parameters()) local_parameters[item.key()] = item.value();
-  check_dtypes(local_parameters);
-  // modelopt lists every module that carries quantizers and quantizes nothing, in module
-  // order: the embedding (a QuantEmbedding there), the disabled Linears, a tied lm_head
-  // (a Linear in transformers).
+  // Every check runs on every rank before any collective and any file. Without expert
+  // parallelism every rank checks the same model and the same synced quantizers; with it the
+  // ranks hold different experts, so their findings are gathered and agreed on.
   std::vector<std::string> unquantized{"model.embed_tokens"}, quantized;
   std::optional<LayerFormat> format;
-  for (const auto& q : quantizers.linears()) {
-    const LayerFormat layer = layer_format(*q);
-    if (layer == LayerFormat::none) {
-      unquantized.push_back(q->name);
-      continue;
+  std::optional<std::string> problem;
+  std::vector<ExportedLinear> mine;  // this rank's routed experts (expert parallelism)
+  try {
+    std::map<std::string, at::Tensor> local_parameters;
+    for (const auto& item : model->named_parameters()) local_parameters[item.key()] = item.value();
+    check_dtypes(local_parameters);
+    // modelopt lists every module that carries quantizers and quantizes nothing, in module
+    // order: the embedding (a QuantEmbedding there), the disabled Linears, a tied lm_head
+    // (a Linear in transformers).
+    for (const auto& q : quantizers.linears()) {
+      const LayerFormat layer = layer_format(*q);
+      if (layer == LayerFormat::none) {
+        unquantized.push_back(q->name);
+        continue;
+      }
+      if (format && *format != layer) {
+        throw Error(
+            "mdist::quant: export_hf_checkpoint: layers are quantized in several formats "
+            "(modelopt's MIXED_PRECISION); not supported yet");
+      }
+      if (layer != LayerFormat::int4_awq && !q->input_quantizer->has_amax()) {
+        throw Error("mdist::quant: export_hf_checkpoint: " + q->name +
+                    ".input_quantizer has no amax (no calibration input reached it)");
+      }
+      format = layer;
+      quantized.push_back(q->name);
     }
-    if (format && *format != layer) {
-      throw Error(
-          "mdist::quant: export_hf_checkpoint: layers are quantized in several formats "
-          "(modelopt's MIXED_PRECISION); not supported yet");
-    }
-    if (layer != LayerFormat::int4_awq && !q->input_quantizer->has_amax()) {
-      throw Error("mdist::quant: export_hf_checkpoint: " + q->name +
-                  ".input_quantizer has no amax (no calibration input reached it)");
-    }
-    format = layer;
-    quantized.push_back(q->name);
+    if (!format) throw Error("mdist::quant: export_hf_checkpoint: no layer is quantized");
+    if (expert_parallel) mine = exported_experts(model, quantizers);
+  } catch (const Error& error) {
+    problem = error.what();
   }
-  if (!format) throw Error("mdist::quant: export_hf_checkpoint: no layer is quantized");
+  if (!expert_parallel && problem) throw Error(*problem);
+  // Under expert parallelism: the other ranks' experts, known to every rank alike.
+  std::vector<ExportedLinear> theirs;
+  if (expert_parallel) {
+    for (const auto& p : allgather(problem)) {
+      if (p) throw Error(*p);
+    }
+    theirs = others_experts(quantizers, allgather(mine), *format);
+    for (const auto& e : theirs) {
+      (e.format == static_cast<int>(LayerFormat::none) ? unquantized : quantized).push_back(e.name);
+    }
+  }
   if (!model->lm_head) unquantized.push_back("lm_head");
   const std::optional<std::string> kv_cache = detail::kv_cache_quant_algo(quantizers.attentions());
 
   const at::NoGradGuard no_grad;
-  std::map<std::string, at::Tensor> tensors = whole_parameters(model, parallelism);
+  std::map<std::string, at::Tensor> tensors = hf::whole_parameters(model, parallelism);
   std::map<std::string, at::Tensor> weight_amax, input_amax;
   std::map<std::string, std::pair<at::Tensor, at::Tensor>> smoothing;  // 1 / s, s
   std::vector<std::string> order;
@@ -415,6 +529,12 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
       smoothing[q->name] = {whole_channels(*q, q->smoothing, parallelism),
                             whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism)};
     }
+  }
+  for (const auto& e : theirs) {
+    if (e.format == static_cast<int>(LayerFormat::none)) continue;
+    order.push_back(e.name);
+    weight_amax[e.name] = e.weight_amax;
+    input_amax[e.name] = e.input_amax;
   }
   if (mdist::is_initialized() && !mdist::is_master()) return;
   if (*format == LayerFormat::int4_awq || *format == LayerFormat::w4a8_awq) {
@@ -444,7 +564,14 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
   }
   for (const auto& q : quantizers.linears()) {
     if (weight_amax.contains(q->name)) {
-      export_linear(*q, *format, weight_amax.at(q->name), input_amax.at(q->name), tensors);
+      export_linear(q->name, *format, maxbound(*q), weight_amax.at(q->name), input_amax.at(q->name),
+                    tensors);
+    }
+  }
+  for (const auto& e : theirs) {
+    if (weight_amax.contains(e.name)) {
+      export_linear(e.name, *format, {e.input_maxbound, e.weight_maxbound}, weight_amax.at(e.name),
+                    input_amax.at(e.name), tensors);
     }
   }
   for (auto& [name, scale] : detail::kv_cache_scales(quantizers.attentions())) {
@@ -461,6 +588,13 @@ std::map<std::string, at::Tensor> whole_amax_state_dict(const ModelQuantizers& q
     if (!q->weight_quantizer->has_amax()) continue;
     const std::string stage = q->weight_quantizer_2 ? ".weight_quantizer.0" : ".weight_quantizer";
     amax[q->name + stage + "._amax"] = whole_weight_amax(*q, parallelism);
+  }
+  if (parallelism.expert_parallel) {
+    // Each rank holds its own experts' quantizers; every other amax is synced, the same on
+    // every rank. Expert and tensor parallelism do not go together (export_hf_checkpoint).
+    for (const auto& theirs : allgather(amax)) {
+      for (const auto& [name, value] : theirs) amax.emplace(name, value);
+    }
   }
   return amax;
 }

@@ -4,11 +4,14 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <string>
 #include <string_view>
 #include <utility>
 
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
+#include "mdist/hf/expert_parallel.h"
 #include "mdist/quant/block_check.h"
 #include "mdist/tp/collectives.h"
 #include "src/quant/amax_sync.h"
@@ -327,16 +330,27 @@ void ModelQuantizers::sync_amax(const QuantizeOptions& options) {
   // parameters are on the compute device).
   const c10::Device device =
       linears_.empty() ? c10::Device(c10::kCPU) : linears_.front()->linear->weight.device();
-  std::vector<detail::AmaxToSync> all, over_tp;
+  // Under expert parallelism the ranks hold different routed experts (under their global
+  // names): each is synced over the ranks that hold it, everything else over data parallel.
+  std::vector<std::string> routed;
+  if (options.parallelism.expert_parallel) {
+    for (const auto& [prefix, experts] : hf::named_experts(model_)) routed.push_back(prefix + ".");
+  }
+  const auto is_routed = [&routed](const std::string& name) {
+    return std::any_of(routed.begin(), routed.end(),
+                       [&name](const std::string& prefix) { return name.starts_with(prefix); });
+  };
+  std::vector<detail::AmaxToSync> all, over_tp, over_edp;
   for (const auto& q : linears_) {
     const TpSplit split = tp_split(options.parallelism, q->name);
+    const bool expert = is_routed(q->name);
     for (const auto role : {QuantizerRole::input, QuantizerRole::weight}) {
       const TensorQuantizer& quantizer =
           role == QuantizerRole::input ? q->input_quantizer : q->weight_quantizer;
       if (!quantizer->is_enabled()) continue;
       const std::string name =
           q->name + (role == QuantizerRole::input ? ".input_quantizer" : ".weight_quantizer");
-      all.push_back({name, quantizer});
+      (expert ? over_edp : all).push_back({name, quantizer});
       if (syncs_over_tp(split, role, quantizer->format())) over_tp.push_back({name, quantizer});
     }
     if (q->weight_quantizer_2 && q->weight_quantizer_2->is_enabled()) {
@@ -361,6 +375,9 @@ void ModelQuantizers::sync_amax(const QuantizeOptions& options) {
     }
   }
   detail::sync_amax_max(all, options.parallel.data_parallel_group, device);
+  if (!over_edp.empty()) {
+    detail::sync_amax_max(over_edp, DistributedProcessGroup(*options.expert_data_parallel), device);
+  }
   detail::sync_amax_max(over_tp, options.parallel.tensor_parallel_group, device);
 }
 
@@ -377,8 +394,11 @@ void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeO
     throw InputError("mdist::quant: SmoothQuant alpha " + std::to_string(alpha) +
                      " is outside [0, 1] (modelopt's SmoothQuantCalibConfig.alpha)");
   }
-  if (options.parallelism.expert_parallel) {
-    throw Error("mdist::quant: quantize does not support expert-parallel models yet");
+  if (options.parallelism.expert_parallel &&
+      (options.parallelism.tensor_parallel_split() || !options.expert_data_parallel)) {
+    throw Error(
+        "mdist::quant: quantize: an expert-parallel model needs QuantizeOptions::"
+        "expert_data_parallel, and cannot be tensor-parallel too (not supported yet)");
   }
   const bool weights_from_forward = is_fsdp2_model(*model_);
   if (smoothquant && !forward_loop) {

@@ -558,8 +558,6 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
                                 out.string()},
        "--kv-cache fp8 is not supported for this model: its attention has one fused qkv_proj "
        "(Phi-3)"},
-      {base({"--format", "fp8", "--ep", "2", "--out", out.string()}),
-       "quantize does not support expert parallelism yet"},
       {base({"--format", "fp8"}), "--out DIR is required"},
       {std::vector<std::string>{"quantize", "--model", model, "--data", short_data.string(),
                                 "--seq-len", "16", "--format", "fp8", "--out", out.string()},
@@ -581,6 +579,39 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
       EXPECT_EQ(tree(dir_), before);
       EXPECT_EQ(read(out / "earlier.txt"), "kept\n");
     }
+  }
+  // Expert parallelism: what it does not cover, on the ranks it needs.
+  const auto on_moe = [&](const std::vector<std::string>& more) {
+    return with({"quantize", "--model", moe.string(), "--data", calib, "--seq-len", "16", "--out",
+                 out.string()},
+                more);
+  };
+  struct RanksCase {
+    int ranks;
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<RanksCase> ep_cases = {
+      {2, base({"--format", "fp8", "--ep", "2", "--out", out.string()}),
+       "--ep 2: the model (llama) has no mixture-of-experts layers to split"},
+      {2, on_moe({"--format", "int8_sq", "--ep", "2"}),
+       "--format int8_sq is not supported for a mixture of experts yet"},
+      {2, on_moe({"--format", "int4_awq", "--ep", "2"}),
+       "--format int4_awq is not supported for a mixture of experts yet"},
+      {2, on_moe({"--format", "w4a8_awq", "--ep", "2"}),
+       "--format w4a8_awq is not supported for a mixture of experts yet"},
+      {4, on_moe({"--format", "fp8", "--ep", "2", "--tp", "2"}),
+       "--ep 2 with --tp 2: quantize does not support expert and tensor parallelism together yet"},
+  };
+  for (const auto& c : ep_cases) {
+    SCOPED_TRACE(c.message + " on " + std::to_string(c.ranks) + " ranks");
+    const auto r = mdist(c.ranks, c.args);
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("[rank0]: mdist quantize: error: ")) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << describe(r);
+    EXPECT_EQ(error_lines(r.err), 1) << r.err;
+    EXPECT_EQ(tree(dir_), before);
+    EXPECT_EQ(read(out / "earlier.txt"), "kept\n");
   }
   // nvfp4 under --tp 4 (4 ranks): o_proj's 32 input channels are 8 per rank, refused before
   // the model is loaded.
@@ -855,6 +886,64 @@ TEST_F(QuantizeCommand, TrainAndCalibrateRefuseAQuantizedCheckpoint) {
   }
 }
 
+// Expert parallelism (--ep 2) on a seeded Qwen3-MoE (4 experts, top 2, 2 layers): one rank's
+// export byte for byte, its amaxes and its held-out losses, for the max-calibrated formats.
+// Each routed expert's amax is synced over the ranks holding it (under its global name), the
+// rest over data parallel, and the export gathers the experts to rank 0. Expert parallel 2 x
+// data parallel 2 (4 ranks) too, for fp8.
+TEST_F(QuantizeCommand, ExpertParallelGivesOneRanksExport) {
+  const fs::path model = qwen3_moe_model("moe", 4);
+  // 8 sequences of 16 tokens (a fixed LCG): every expert of every layer gets tokens on every
+  // expert-parallel group.
+  const fs::path data = dir_ / "moe-tokens.u32";
+  {
+    std::vector<std::int32_t> ids(8 * 16);
+    std::uint32_t state = 12345;
+    for (auto& id : ids) {
+      state = state * 1664525u + 1013904223u;
+      id = static_cast<std::int32_t>((state >> 8) % 256);
+    }
+    std::ofstream(data, std::ios::binary)
+        .write(reinterpret_cast<const char*>(ids.data()),
+               static_cast<std::streamsize>(ids.size() * sizeof(std::int32_t)));
+  }
+  const auto run_quantize = [&](const std::string& format, int ranks,
+                                const std::vector<std::string>& more) {
+    std::string name = "moe-" + format + "-" + std::to_string(ranks) + "ranks";
+    for (const auto& arg : more) name += arg.starts_with("--") ? arg.substr(1) : "-" + arg;
+    const fs::path out = dir_ / name;
+    const auto r = mdist(ranks, with({"quantize", "--model", model.string(), "--format", format,
+                                      "--data", data.string(), "--eval-data", data.string(),
+                                      "--seq-len", "16", "--out", out.string()},
+                                     more));
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return out;
+  };
+  const auto expect_same = [&](const fs::path& actual, const fs::path& expected) {
+    EXPECT_EQ(compare_exports(actual, expected, 0), 0);
+    expect_same_quant_config(actual, expected);
+    const auto a = report(actual), e = report(expected);
+    EXPECT_EQ(a["layout"]["expert_parallel"], 2);
+    EXPECT_EQ(a["modules"], e["modules"]);
+    EXPECT_TRUE(a["modules"].contains("model.layers.1.mlp.experts.3.down_proj"));
+    EXPECT_DOUBLE_EQ(a["loss_before"].get<double>(), e["loss_before"].get<double>());
+    EXPECT_DOUBLE_EQ(a["loss_after"].get<double>(), e["loss_after"].get<double>());
+  };
+  for (const std::string format : {"fp8", "int8", "nvfp4"}) {
+    SCOPED_TRACE(format);
+    const fs::path one = run_quantize(format, 1, {});
+    expect_same(run_quantize(format, 2, {"--ep", "2"}), one);
+    if (format == "fp8") expect_same(run_quantize(format, 4, {"--ep", "2"}), one);
+  }
+  // The FP8 KV cache: the attention is replicated over the expert-parallel ranks, its k_scale
+  // and v_scale synced over data parallel.
+  const fs::path kv_one = run_quantize("fp8", 1, {"--kv-cache", "fp8"});
+  const fs::path kv_ep = run_quantize("fp8", 2, {"--kv-cache", "fp8", "--ep", "2"});
+  expect_same(kv_ep, kv_one);
+  EXPECT_TRUE(hf::SafetensorsFile(kv_ep / "model.safetensors")
+                  .contains("model.layers.1.self_attn.k_proj.k_scale"));
+}
+
 // A routed expert that no calibration token reached: modelopt's "MoE calibration incomplete",
 // one line, nothing written.
 TEST_F(QuantizeCommand, ExpertWithoutCalibrationTokensIsRefused) {
@@ -870,12 +959,21 @@ TEST_F(QuantizeCommand, ExpertWithoutCalibrationTokensIsRefused) {
   }
   const fs::path out = dir_ / "moe-out";
   const auto before = tree(dir_);
-  const auto r = mdist(1, {"quantize", "--model", model.string(), "--data", data.string(),
-                           "--seq-len", "16", "--format", "fp8", "--out", out.string()});
-  EXPECT_EQ(r.exit_code, 2) << describe(r);
-  EXPECT_THAT(r.err, HasSubstr("mdist quantize: error: MoE calibration incomplete"));
-  EXPECT_EQ(error_lines(r.err), 1) << r.err;
-  EXPECT_EQ(tree(dir_), before);
+  // One rank, and expert parallel 2 (the tokens per expert counted over its expert-parallel
+  // group).
+  for (const int ranks : {1, 2}) {
+    SCOPED_TRACE(std::to_string(ranks) + " rank(s)");
+    const auto r = mdist(
+        ranks,
+        with({"quantize", "--model", model.string(), "--data", data.string(), "--seq-len", "16",
+              "--format", "fp8", "--out", out.string()},
+             ranks == 1 ? std::vector<std::string>{} : std::vector<std::string>{"--ep", "2"}));
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_THAT(r.err, HasSubstr("mdist quantize: error: MoE calibration incomplete"));
+    EXPECT_THAT(r.err, HasSubstr("(no tokens on any rank)"));
+    EXPECT_EQ(error_lines(r.err), 1) << r.err;
+    EXPECT_EQ(tree(dir_), before);
+  }
 }
 
 }  // namespace

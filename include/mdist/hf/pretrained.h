@@ -4,6 +4,7 @@
 // transformers' save_pretrained writes and from_pretrained reads.
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -14,6 +15,12 @@
 #include "mdist/hf/parallelize.h"
 
 namespace mdist::hf {
+
+// The parameters of `model` (wrapped by fully_shard or not, split as `parallelism` says or
+// not) whole, in the HF layout, on rank 0 (the other ranks get nothing or a part, not to be
+// used). What save_pretrained writes, gathered the same way: collective, every rank calls it;
+// under expert parallelism rank 0 collects the other ranks' experts one tensor at a time.
+std::map<std::string, at::Tensor> whole_parameters(CausalLM& model, const Parallelism& parallelism);
 
 // Writes `model` (wrapped by fully_shard or not, split as `parallelism` says or not) to `dir`
 // in the ordinary HF layout. A sharded or split model is gathered first: collective, every

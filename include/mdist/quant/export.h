@@ -37,7 +37,10 @@
 // weight amax joined from the ranks' rows; the other amaxes are equal on every rank after
 // quantize's sync. Under tensor parallelism the activation amaxes (so input_scale) can differ
 // from one process's in the last bits (the split sums in another order); weights and weight
-// scales do not. Scope, each refused with an Error: expert-parallel models, weights
+// scales do not. Under expert parallelism (max-calibrated formats) rank 0 gathers the other
+// ranks' experts' weights as hf::save_pretrained does, and every rank sends its experts'
+// formats and synced amaxes; the checks of all ranks are agreed on before any collective.
+// Scope, each refused with an Error: a model both expert- and tensor-parallel, weights
 // other than fp32 and bf16, layers quantized in another way than the presets (mixed
 // precision, weight-only). modelopt's fused-layer preprocessing is reproduced where it changes
 // something: SmoothQuant's shared pre_quant_scale, NVFP4's shared global amaxes; FP8 is
@@ -61,8 +64,9 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
 
 // amax_state_dict() of the whole model: under tensor parallelism a column-parallel per-row
 // weight amax (kept per shard by quantize) joined from the tensor-parallel group's rows, as the
-// export joins it; every other amax is whole already. Collective over the tensor-parallel group
-// (every rank calls it); the same result on every rank.
+// export joins it; under expert parallelism every rank's experts (gathered over the world);
+// every other amax is whole already. Collective over the tensor-parallel group (under expert
+// parallelism over the world; every rank calls it); the same result on every rank.
 std::map<std::string, at::Tensor> whole_amax_state_dict(
     const ModelQuantizers& quantizers, const hf::Parallelism& parallelism = hf::Parallelism());
 

@@ -29,12 +29,14 @@
 //  3. each quantizer's amax is that max; quantizers that saw nothing (an input no token
 //     reached) have none and quantize with their input's own max, as modelopt's;
 //  4. the amax is synced (MAX) across ranks, modelopt's rules: every quantizer over the data-
-//     parallel group; under tensor parallelism (`parallelism`) over the tensor-parallel group
-//     a column-parallel Linear's per-tensor input and weight amax, a row-parallel Linear's
-//     per-tensor input and its per-tensor or per-row weight amax. A column-parallel per-row
-//     weight amax stays per shard (its rows are this rank's). Unlike modelopt, a quantizer
-//     with an amax on some ranks of a group and none on others is synced too (ranks without
-//     one count as 0), instead of leaving the ranks to run mismatched collectives;
+//     parallel group (under expert parallelism a routed expert's quantizers over its expert-
+//     data-parallel group instead: the ranks that hold the same expert, under its global name);
+//     under tensor parallelism (`parallelism`) over the tensor-parallel group a column-parallel
+//     Linear's per-tensor input and weight amax, a row-parallel Linear's per-tensor input and its
+//     per-tensor or per-row weight amax. A column-parallel per-row weight amax stays per shard (its
+//     rows are this rank's). Unlike modelopt, a quantizer with an amax on some ranks of a group and
+//     none on others is synced too (ranks without one count as 0), instead of leaving the ranks to
+//     run mismatched collectives;
 //  5. every enabled quantizer goes into quantize mode.
 // Then forward applies, per Linear, y = linear(input_quantizer(x), weight_quantizer(W), b)
 // with the straight-through backward (modelopt's default pass-through).
@@ -65,7 +67,7 @@
 //
 // Not covered (Errors, or documented in docs/quantization.md): a tied head whose quantizers the
 // configuration enables (the tied head is no Linear module in mdist), calibration algorithms
-// other than max and smoothquant, expert parallelism.
+// other than max and smoothquant, expert parallelism with tensor parallelism.
 //
 // KV cache (kv_cache.h): where the config enables them (add_kv_cache_rules), each attention's
 // k_bmm_quantizer / v_bmm_quantizer are calibrated with the same max in the same loop, synced
@@ -74,6 +76,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -95,8 +98,13 @@ struct QuantizeOptions {
   // The groups amax is synced over (data parallel: all; tensor parallel: the rules above).
   ParallelState parallel = ParallelState();
   // How the model is split (hf::apply_parallelism's result): which Linears are column- and
-  // row-parallel. Empty for an unsplit model.
+  // row-parallel, whether the routed experts are split over an expert-parallel group. Empty
+  // for an unsplit model.
   hf::Parallelism parallelism = hf::Parallelism();
+  // Under expert parallelism (parallelism.expert_parallel set): the ranks holding the same
+  // experts (mdist::make_expert_data_parallel_group), over which a routed expert's amax is
+  // synced. Required then; unused otherwise.
+  std::optional<Group> expert_data_parallel = std::nullopt;
 };
 
 class ModelQuantizers;
