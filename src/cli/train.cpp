@@ -226,6 +226,7 @@ TrainInputs check_inputs(const TrainOptions& o) {
           "--quant: quantization-aware training of a mixture of experts is not "
           "supported yet");
     }
+    if (!o.quant.empty()) check_qat_model(o, in.model.config);
     if (o.calib_data) {
       ModelDataOptions calib = o.io;
       calib.data = o.calib_data;
@@ -441,8 +442,9 @@ int run_train(const TrainOptions& o) {
     quantizers =
         start_quantization_aware_training(o, built.model, built.parallelism, layout, calibration);
     qat_line = "mdist train: quantization-aware training, --quant " + o.quant + " (" +
-               qat_config(o).name + " preset, max calibration on the first " +
-               std::to_string(calibration.sequences) + " sequences of " + calibration.description +
+               qat_config(o).name + " preset, " + qat_calibration_method(o) +
+               " calibration on the first " + std::to_string(calibration.sequences) +
+               " sequences of " + calibration.description +
                ", amax frozen from step 1), backward " + o.quant_backward;
   }
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
