@@ -185,7 +185,8 @@ void check_quant_flags(const TrainOptions& o) {
                                                         : nullptr;
     if (needs_quant != nullptr) {
       throw InputError(std::string(needs_quant) +
-                       " applies to quantization-aware training only: add --quant fp8|int8");
+                       " applies to quantization-aware training only: add --quant "
+                       "fp8|int8|int4_awq|nvfp4");
     }
     return;
   }
