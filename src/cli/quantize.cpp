@@ -28,11 +28,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <optional>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -46,8 +44,10 @@
 #include "mdist/train/evaluate.h"
 #include "mdist/train/forward_split.h"
 #include "src/cli/commands.h"
+#include "src/cli/export_dir.h"
 #include "src/cli/job.h"
 #include "src/cli/phase_progress.h"
+#include "src/cli/quantize_from_run.h"
 
 namespace mdist::cli {
 namespace {
@@ -103,20 +103,10 @@ void check_format(const QuantizeOptions& o) {
   }
 }
 
-// --out: required; an existing path must be a writable directory (its content stays until the
-// export replaces the files it writes); a new one must be creatable (probed in its parent,
-// nothing is created in --out itself).
+// --out: required; see check_export_dir.
 void check_out(const QuantizeOptions& o) {
   if (!o.out) throw InputError("--out DIR is required: the directory the export is written to");
-  std::error_code ec;
-  if (std::filesystem::exists(*o.out, ec)) {
-    if (!std::filesystem::is_directory(*o.out, ec)) {
-      throw InputError("--out '" + o.out->string() + "' exists and is not a directory");
-    }
-    check_writable_dir(*o.out, "--out directory");
-  } else {
-    check_writable_file(*o.out, "--out directory");
-  }
+  check_export_dir(*o.out, "--out");
 }
 
 // What the checks found, agreed on by every rank.
@@ -334,47 +324,10 @@ json modules_json(const std::map<std::string, at::Tensor>& amax) {
   return modules;
 }
 
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (!in) throw Error("mdist quantize: cannot read " + path.string());
-  return text.str();
-}
-
-// The staging directory beside --out (the same on every rank; a leftover of an interrupted
-// run is ours by its name and replaced).
-std::filesystem::path staging_dir(const std::filesystem::path& out) {
-  const std::filesystem::path absolute = std::filesystem::absolute(out).lexically_normal();
-  const std::filesystem::path parent =
-      absolute.has_filename() ? absolute.parent_path() : absolute.parent_path().parent_path();
-  const std::string name =
-      (absolute.has_filename() ? absolute.filename() : absolute.parent_path().filename()).string();
-  return parent / ("." + name + ".mdist-quantize-partial");
-}
-
-// Rank 0: the staged files into --out, each by a rename (whole or not at all).
-void publish(const std::filesystem::path& staging, const std::filesystem::path& out) {
-  if (!std::filesystem::exists(out)) {
-    std::filesystem::rename(staging, out);
-    io::sync_directory(std::filesystem::absolute(out).parent_path());
-    return;
-  }
-  // An index of sharded safetensors left in --out would shadow the export's single file
-  // (loaders prefer the index): it goes, the shards it names are left.
-  if (!std::filesystem::exists(staging / "model.safetensors.index.json")) {
-    std::filesystem::remove(out / "model.safetensors.index.json");
-  }
-  for (const auto& entry : std::filesystem::directory_iterator(staging)) {
-    std::filesystem::rename(entry.path(), out / entry.path().filename());
-  }
-  std::filesystem::remove_all(staging);
-  io::sync_directory(out);
-}
-
 }  // namespace
 
 int run_quantize(const QuantizeOptions& o) {
+  if (o.from_run) return run_quantize_from_run(o);
   const Session session(setup_options(o.io.timeout_s));
   configure_threads();
   const QuantizeInputs in = check_inputs(o);
@@ -489,9 +442,7 @@ int run_quantize(const QuantizeOptions& o) {
   quant::export_hf_checkpoint(model, *quantizers, staging, built.parallelism);
   const double export_s = seconds_since(lap);
   if (rank() == 0) {
-    for (const auto& file : tokenizer_files(in.choice)) {
-      io::write_file_atomically(staging / file.filename(), read_file(file));
-    }
+    copy_into(tokenizer_files(in.choice), staging);
     const int tp = layout.tensor_parallel();
     const json report = {
         {"format", "mdist.quantize.v1"},

@@ -39,6 +39,16 @@ void declare_quantize_flags(CLI::App& app, QuantizeOptions& o) {
   app.add_option("--out", o.out,
                  "Directory of the export (unified Hugging Face checkpoint) and quantize.json")
       ->type_name("DIR");
+  app.add_option("--from-run", o.from_run,
+                 "Export a quantization-aware training run (mdist train --quant) instead of "
+                 "calibrating: its latest checkpoint (or the checkpoint given) with the quantizers "
+                 "it trained with; the format is the run's")
+      ->type_name("RUN");
+  app.callback([&app, &o] {
+    for (const CLI::Option* option : app.get_options()) {
+      if (option->count() > 0) o.given.insert(option->get_name());
+    }
+  });
   app.footer(
       "\nWithout --model: the latest checkpoint of runs/default, else the seeded default model.");
 }

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "src/cli/flags.h"
@@ -22,6 +23,10 @@ struct QuantizeOptions {
   std::int64_t batch_size = 8;                     // held-out sequences per forward on each rank
   std::optional<std::filesystem::path> out;        // the export's directory (required)
   std::filesystem::path default_run = "runs/default";
+  // --from-run RUN: export a quantization-aware training run (its directory or one of its
+  // checkpoints) with its own quantizers instead of calibrating (src/cli/qat_export.h).
+  std::optional<std::filesystem::path> from_run;
+  std::set<std::string> given;  // set after parsing: the options on the command line ("--data")
 };
 
 void declare_quantize_flags(CLI::App& app, QuantizeOptions& options);

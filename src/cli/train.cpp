@@ -18,9 +18,12 @@
 #include "mdist/train/metrics.h"
 #include "mdist/train/trainer.h"
 #include "src/cli/commands.h"
+#include "src/cli/export_dir.h"
 #include "src/cli/job.h"
 #include "src/cli/loss_plot.h"
 #include "src/cli/progress.h"
+#include "src/cli/qat_export.h"
+#include "src/cli/qat_from_export.h"
 #include "src/cli/run_dir.h"
 #include "src/cli/sft_data.h"
 #include "src/cli/train_quant.h"
@@ -205,6 +208,17 @@ void check_resumed(const TrainOptions& o, TrainInputs& in) {
   }
 }
 
+// --export-quantized DIR: a directory the export can be written to, not the run's own (its
+// config.json would make the run directory look like a checkpoint).
+void check_export_target(const TrainOptions& o) {
+  std::error_code ec;
+  if (fs::weakly_canonical(*o.export_quantized, ec) == fs::weakly_canonical(o.out, ec)) {
+    throw InputError("--export-quantized '" + o.export_quantized->string() +
+                     "' is the run directory --out; name another directory");
+  }
+  check_export_dir(*o.export_quantized, "--export-quantized");
+}
+
 // Every input of the run, checked on every rank and agreed on (one line from rank 0, exit 2,
 // nothing written, when any is bad).
 TrainInputs check_inputs(const TrainOptions& o) {
@@ -218,7 +232,8 @@ TrainInputs check_inputs(const TrainOptions& o) {
     in.model = in.resume_from   ? model_from_dir(*in.resume_from)
                : o.io.model_dir ? model_from_dir(*o.io.model_dir)
                                 : default_model();
-    check_not_quantized(in.model, "train");
+    // A quantized export starts QAT in its own format (qat_from_export.h), nothing else.
+    check_qat_start_model(o, in.model);
     check_tensor_parallel(o.io.tensor_parallel, in.model.config);
     check_expert_parallel(o.io.expert_parallel, o.io.tensor_parallel, in.model.config);
     if (!o.quant.empty() && in.model.config.moe) {
@@ -240,6 +255,7 @@ TrainInputs check_inputs(const TrainOptions& o) {
     }
     find_held_out_data(o, in);
     if (in.resumed) check_resumed(o, in);
+    if (o.export_quantized) check_export_target(o);
   });
   return in;
 }
@@ -398,7 +414,9 @@ int run_train(const TrainOptions& o) {
   if (in.already_complete) {
     say("mdist train: the run in " + o.out.string() + " is already complete (" +
         in.resume_from->string() + " is at step " + std::to_string(in.resumed->step) +
-        " of --steps " + std::to_string(o.steps) + "); nothing to do, nothing written");
+        " of --steps " + std::to_string(o.steps) + "); nothing to do, nothing written" +
+        (o.export_quantized ? " (its export: mdist quantize --from-run " + o.out.string() + ")"
+                            : std::string()));
     return 0;
   }
   // The sequences: windows of the token stream, or the SFT examples' rows; each source reads
@@ -431,6 +449,12 @@ int run_train(const TrainOptions& o) {
     qat_line = "mdist train: quantization-aware training, --quant " + o.quant +
                ": the quantizers of " + (*in.resume_from / kQatStateFile).string() +
                " (amax as calibrated when the run started), backward " + o.quant_backward;
+  } else if (!o.quant.empty() && in.model.quantization) {
+    quantizers = start_qat_from_export(o, built.model, built.parallelism, *in.model.dir);
+    qat_line = "mdist train: quantization-aware training, --quant " + o.quant +
+               ": the quantizers of the export " + in.model.dir->string() +
+               " (amax = its weight_scale / input_scale x maxbound, no calibration), backward " +
+               o.quant_backward;
   } else if (!o.quant.empty()) {
     std::optional<Windows> calib_windows;
     if (in.calib_data) calib_windows.emplace(*in.calib_data, o.io.seq_len, "train --calib-data");
@@ -465,7 +489,8 @@ int run_train(const TrainOptions& o) {
   if (rank() == 0) fs::create_directories(o.out);
   // The quantizers' state, frozen for the run: in the run directory, copied into every
   // checkpoint beside the tokenizer files.
-  std::vector<fs::path> carried = tokenizer_files(in.model);
+  const std::vector<fs::path> carried_tokenizer = tokenizer_files(in.model);
+  std::vector<fs::path> carried = carried_tokenizer;
   if (quantizers) {
     save_qat_state(*quantizers, built_parallelism, o, o.out / kQatStateFile);
     carried.push_back(o.out / kQatStateFile);
@@ -479,6 +504,13 @@ int run_train(const TrainOptions& o) {
   log_start(o, in, layout, trainer, data, held_out);
   if (!qat_line.empty()) say(qat_line);
   run_steps(o, trainer, held_out, metrics, carried);
+  if (o.export_quantized) {
+    // The trained weights with the quantizers as calibrated before step 1: no calibration.
+    write_quantized_export(trainer.model(), *quantizers, built_parallelism, carried_tokenizer,
+                           *o.export_quantized);
+    say("mdist train: wrote " + o.export_quantized->string() + " (unified HF checkpoint, --quant " +
+        o.quant + ", amax as calibrated before step 1)");
+  }
   if (metrics) finish(o, in, trainer, *metrics);
   return 0;
 }

@@ -103,6 +103,11 @@ void declare_train_flags(CLI::App& app, TrainOptions& o) {
                  "With --quant: calibration data (same --data-format; all of the file); default: "
                  "the training data's first windows in file order")
       ->type_name("FILE");
+  app.add_option("--export-quantized", o.export_quantized,
+                 "With --quant: after the last step, write the unified Hugging Face checkpoint "
+                 "(as mdist quantize --out) of the trained weights and the calibrated quantizers, "
+                 "without calibrating again")
+      ->type_name("DIR");
   app.footer("\nExample: mdistrun --nproc-per-node 2 mdist train --steps 600 --out runs/long");
 
   app.callback([&o, calib_sequences, quant_backward] {
@@ -178,7 +183,8 @@ void check_train_flags(const TrainOptions& o, int world) {
 
 void check_quant_flags(const TrainOptions& o) {
   if (o.quant.empty()) {
-    const char* needs_quant = o.calib_data              ? "--calib-data"
+    const char* needs_quant = o.export_quantized        ? "--export-quantized"
+                              : o.calib_data            ? "--calib-data"
                               : o.calib_sequences_given ? "--calib-sequences"
                               : o.quant_backward_given  ? "--quant-backward"
                               : !o.kv_cache.empty()     ? "--kv-cache"

@@ -58,7 +58,10 @@ struct TrainOptions {
   std::int64_t calib_sequences = 64;
   std::optional<std::filesystem::path> calib_data;
   std::string quant_backward = "pass-through";
-  std::string kv_cache;                // --kv-cache ("": keys and values unquantized)
+  std::string kv_cache;  // --kv-cache ("": keys and values unquantized)
+  // --export-quantized DIR: with --quant, the unified HF checkpoint of the trained model and its
+  // frozen quantizers written after the last step (src/cli/qat_export.h).
+  std::optional<std::filesystem::path> export_quantized;
   bool calib_sequences_given = false;  // set after parsing: --calib-sequences was on the line
   bool quant_backward_given = false;   // set after parsing: --quant-backward was on the line
 };

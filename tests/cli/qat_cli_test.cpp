@@ -362,6 +362,10 @@ TEST_F(QatCommand, BadInputIsOneLineAndWritesNothing) {
        "--quant int4_awq with --tp 2: quantization-aware training of int4_awq does not support "
        "tensor parallelism yet"},
       {1, qat_args(out, {"--quant", "fp8", "--kv-cache", "fp4"}), "unknown --kv-cache 'fp4'"},
+      {1,
+       qat_args(out, {"--quant", "fp8", "--kv-cache", "fp8"},
+                QatFixture{kFixtures / "ptq_llama" / "export_fp8", kLlama.expected}),
+       "--kv-cache fp8 does not apply to --model"},
       {1, qat_args(out, {"--kv-cache", "fp8"}),
        "--kv-cache applies to quantization-aware training only"},
       {1, qat_args(out, {"--quant", "int8_sq"}), "--quant int8_sq is not supported by train yet"},
