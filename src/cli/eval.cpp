@@ -51,7 +51,7 @@ int run_eval(const EvalOptions& o) {
   hf::CausalLM model = built.model;
   // A quantized checkpoint is evaluated as its quantized model: weights dequantized by the
   // loader, inputs fake-quantized with the checkpoint's input scales.
-  const auto quantizers = checkpoint_quantizers(choice, model);
+  const auto quantizers = checkpoint_quantizers(choice, built);
   say("mdist eval: model " + choice.description);
   if (mp_policy) say("mdist eval: " + describe_mixed_precision(*mp_policy, model));
   say("mdist eval: " + tokenizer_line(choice));

@@ -134,7 +134,7 @@ int run_generate(const GenerateOptions& o) {
   const hf::ParallelModel built = build_wrapped_model(choice, o.seed, layout, mp_policy);
   hf::CausalLM model = built.model;
   // A quantized checkpoint samples as its quantized model (inputs fake-quantized).
-  const auto quantizers = checkpoint_quantizers(choice, model);
+  const auto quantizers = checkpoint_quantizers(choice, built);
   model->eval();
   say("mdist generate: model " + choice.description);
   if (mp_policy) say("mdist generate: " + describe_mixed_precision(*mp_policy, model));

@@ -65,9 +65,10 @@ std::string describe_mixed_precision(const MixedPrecisionPolicy& policy, hf::Cau
 }
 
 std::unique_ptr<quant::ModelQuantizers> checkpoint_quantizers(const ModelChoice& choice,
-                                                              hf::CausalLM& model) {
+                                                              const hf::ParallelModel& built) {
   if (!choice.dir || !choice.quantization) return nullptr;
-  return quant::apply_checkpoint_quantization(model, *choice.dir);
+  hf::CausalLM model = built.model;
+  return quant::apply_checkpoint_quantization(model, *choice.dir, built.parallelism);
 }
 
 hf::ParallelModel build_wrapped_model(const ModelChoice& choice, std::uint64_t seed,

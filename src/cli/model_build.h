@@ -40,9 +40,10 @@ hf::ParallelModel build_wrapped_model(
 // A quantized checkpoint (choice.quantization) read back as its quantized model: the loader
 // has dequantized its weights; this installs the input quantizers with the checkpoint's
 // input scales (quant::apply_checkpoint_quantization). Null for an unquantized model. The
-// model computes quantized for as long as the result lives.
+// model computes quantized for as long as the result lives; a row-parallel Linear's
+// pre_quant_scale is cut to its shard (built.parallelism).
 std::unique_ptr<quant::ModelQuantizers> checkpoint_quantizers(const ModelChoice& choice,
-                                                              hf::CausalLM& model);
+                                                              const hf::ParallelModel& built);
 
 // --param-dtype (train, eval, calibrate, generate): nullopt for "" (the weights' own dtype);
 // for bf16 (or fp32) the policy torchtitan trains with: every unit all-gathers and computes in that

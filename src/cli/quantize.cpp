@@ -12,12 +12,13 @@
 // agreed on before anything is created.
 //
 // int8_sq (INT8_SMOOTHQUANT_CFG) calibrates with SmoothQuant (alpha 1.0) instead of max;
-// nvfp4 (NVFP4_DEFAULT_CFG) and int4_awq (INT4_AWQ_CFG) need every quantized Linear's
-// in_features to be a multiple of their blocks (16, 128; checked before loading). int4_awq
-// calibrates with AWQ-lite (two passes over the calibration data, three on the FSDP2-wrapped
-// model: the folded weights' block amax is taken in the third). --kv-cache fp8 adds modelopt's
-// FP8_KV_CFG (quant::add_kv_cache_rules) to any format. Not implemented yet (refused with one
-// line, exit 2): the format w4a8_awq, expert parallelism (--ep), --param-dtype.
+// nvfp4 (NVFP4_DEFAULT_CFG), int4_awq (INT4_AWQ_CFG) and w4a8_awq (W4A8_AWQ_BETA_CFG) need
+// every quantized Linear's in_features to be a multiple of their blocks (16, 128; checked
+// before loading). int4_awq and w4a8_awq calibrate with AWQ-lite (two passes over the
+// calibration data, three on the FSDP2-wrapped model: the folded weights' block amax is taken
+// in the third). --kv-cache fp8 adds modelopt's FP8_KV_CFG (quant::add_kv_cache_rules) to any
+// format. Not implemented yet (refused with one line, exit 2): expert parallelism (--ep),
+// --param-dtype.
 //
 // Progress: on a terminal rank 0 redraws one line per phase in place (held-out loss before,
 // calibrating, SmoothQuant's smoothing pass, held-out loss after, exporting) with a count of
@@ -30,7 +31,6 @@
 #include <cstdio>
 #include <map>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -61,33 +61,21 @@ const std::map<std::string, std::string>& implemented_formats() {
                                                              {"int8", "W8A8_SQ_PER_CHANNEL"},
                                                              {"int8_sq", "W8A8_SQ_PER_CHANNEL"},
                                                              {"int4_awq", "W4A16_AWQ"},
+                                                             {"w4a8_awq", "W4A8_AWQ"},
                                                              {"nvfp4", "NVFP4"}};
-  return formats;
-}
-
-// issue 28's other formats: named here so that they are refused as not implemented yet
-// rather than as unknown.
-const std::set<std::string>& planned_formats() {
-  static const std::set<std::string> formats = {"w4a8_awq"};
   return formats;
 }
 
 void check_format(const QuantizeOptions& o) {
   if (o.format.empty()) {
     throw InputError(
-        "--format is required: fp8, int8, int8_sq, int4_awq or nvfp4 (modelopt's "
+        "--format is required: fp8, int8, int8_sq, int4_awq, w4a8_awq or nvfp4 (modelopt's "
         "FP8_DEFAULT_CFG, INT8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG, INT4_AWQ_CFG, "
-        "NVFP4_DEFAULT_CFG)");
-  }
-  if (planned_formats().contains(o.format)) {
-    throw InputError("--format " + o.format +
-                     " is not implemented yet; the implemented formats are fp8, int8, int8_sq, "
-                     "int4_awq and nvfp4");
+        "W4A8_AWQ_BETA_CFG, NVFP4_DEFAULT_CFG)");
   }
   if (!implemented_formats().contains(o.format)) {
     throw InputError("unknown --format '" + o.format +
-                     "'; the formats are fp8, int8, int8_sq, int4_awq and nvfp4 (w4a8_awq is "
-                     "not implemented yet)");
+                     "'; the formats are fp8, int8, int8_sq, int4_awq, w4a8_awq and nvfp4");
   }
   if (o.sq_alpha && o.format != "int8_sq") {
     throw InputError("--sq-alpha is SmoothQuant's alpha: it needs --format int8_sq, not " +
@@ -168,14 +156,15 @@ QuantizeInputs check_inputs(const QuantizeOptions& o) {
           "its attention layers and quantizes its fused experts unsmoothed, which mdist does not "
           "reproduce); use --format int8 or fp8");
     }
-    if (o.format == "int4_awq" && in.choice.config.moe) {
+    if ((o.format == "int4_awq" || o.format == "w4a8_awq") && in.choice.config.moe) {
       throw InputError(
-          "--format int4_awq is not supported for a mixture of experts yet (modelopt quantizes "
+          "--format " + o.format +
+          " is not supported for a mixture of experts yet (modelopt quantizes "
           "its fused experts in a way mdist's per-expert layers do not reproduce); use --format "
           "int8 or fp8");
     }
     {
-      // Block formats (int4_awq, nvfp4) need whole blocks along every quantized Linear's
+      // Block formats (int4_awq, w4a8_awq, nvfp4) need whole blocks along every quantized Linear's
       // inputs: checked on the model's shapes alone (the meta device), before anything is
       // loaded.
       hf::CausalLM shapes(in.choice.config, c10::kMeta);
@@ -308,17 +297,24 @@ json amax_json(const at::Tensor& amax) {
   return std::vector<double>(values.data_ptr<double>(), values.data_ptr<double>() + values.numel());
 }
 
-// module -> {"input_amax", "weight_amax"} (a number, or one per output row).
+// module -> {"input_amax", "weight_amax"} (a number, or one per output row or block; W4A8's
+// second weight stage: "weight_amax_2").
 json modules_json(const std::map<std::string, at::Tensor>& amax) {
   json modules = json::object();
   for (const auto& [key, value] : amax) {
-    // key: <module>.<input|weight>_quantizer._amax
+    // key: <module>.<input|weight>_quantizer._amax, or a SequentialQuantizer's stage
+    // <module>.weight_quantizer.<0|1>._amax.
     const std::string quantizer = key.substr(0, key.size() - std::string("._amax").size());
-    const std::string module = quantizer.substr(0, quantizer.rfind('.'));
-    const std::string role = quantizer.ends_with(".input_quantizer")   ? "input_amax"
-                             : quantizer.ends_with(".k_bmm_quantizer") ? "k_amax"
-                             : quantizer.ends_with(".v_bmm_quantizer") ? "v_amax"
-                                                                       : "weight_amax";
+    const bool stage_2 = quantizer.ends_with(".weight_quantizer.1");
+    const std::string base = stage_2 || quantizer.ends_with(".weight_quantizer.0")
+                                 ? quantizer.substr(0, quantizer.size() - 2)
+                                 : quantizer;
+    const std::string module = base.substr(0, base.rfind('.'));
+    const std::string role = base.ends_with(".input_quantizer")   ? "input_amax"
+                             : base.ends_with(".k_bmm_quantizer") ? "k_amax"
+                             : base.ends_with(".v_bmm_quantizer") ? "v_amax"
+                             : stage_2                            ? "weight_amax_2"
+                                                                  : "weight_amax";
     modules[module][role] = amax_json(value);
   }
   return modules;

@@ -13,8 +13,9 @@ void declare_quantize_flags(CLI::App& app, QuantizeOptions& o) {
                  "Quantization format, as modelopt's presets: fp8 (FP8_DEFAULT_CFG, quant_algo "
                  "FP8), int8 (INT8_DEFAULT_CFG, W8A8_SQ_PER_CHANNEL), int8_sq "
                  "(INT8_SMOOTHQUANT_CFG: SmoothQuant, alpha 1.0, W8A8_SQ_PER_CHANNEL), "
-                 "int4_awq (INT4_AWQ_CFG: AWQ-lite, INT4 weights in blocks of 128, W4A16_AWQ) or "
-                 "nvfp4 (NVFP4_DEFAULT_CFG, NVFP4); w4a8_awq is not implemented yet")
+                 "int4_awq (INT4_AWQ_CFG: AWQ-lite, INT4 weights in blocks of 128, W4A16_AWQ), "
+                 "w4a8_awq (W4A8_AWQ_BETA_CFG: AWQ-lite, INT4 weights in blocks of 128 then FP8 "
+                 "per tensor, FP8 inputs, W4A8_AWQ) or nvfp4 (NVFP4_DEFAULT_CFG, NVFP4)")
       ->type_name("NAME");
   app.add_option("--sq-alpha", o.sq_alpha,
                  "--format int8_sq: SmoothQuant's migration strength alpha in [0, 1] (modelopt's "

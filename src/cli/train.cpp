@@ -26,6 +26,7 @@
 #include "src/cli/qat_from_export.h"
 #include "src/cli/run_dir.h"
 #include "src/cli/sft_data.h"
+#include "src/cli/train_distill.h"
 #include "src/cli/train_quant.h"
 #include "src/cli/watchdog.h"
 
@@ -53,7 +54,8 @@ nlohmann::json run_flags(const TrainOptions& o, const std::string& data, const M
           {"param_dtype", o.io.param_dtype.empty() ? "weights" : o.io.param_dtype},
           {"router_aux_loss_coef", o.router_aux_loss_coef ? nlohmann::json(*o.router_aux_loss_coef)
                                                           : nlohmann::json("config")},
-          {"quant", describe_qat(o)}};
+          {"quant", describe_qat(o)},
+          {"distillation", describe_distillation(o.distill)}};
 }
 
 void check_resume_flags(const nlohmann::json& saved, const nlohmann::json& now,
@@ -109,6 +111,7 @@ struct TrainInputs {
   std::optional<MixedPrecisionPolicy> mp_policy;
   // --quant with --calib-data: the calibration data (else the training data's windows).
   std::optional<TokenStream> calib_data;
+  std::optional<ModelChoice> teacher;  // --teacher
 };
 
 const std::string& data_description(const TrainInputs& in) {
@@ -184,6 +187,7 @@ void check_resumed(const TrainOptions& o, TrainInputs& in) {
     throw InputError("--resume: the checkpoint " + in.resume_from->string() +
                      " of quantization-aware training has no " + kQatStateFile);
   }
+  check_resumed_distillation(saved, o.distill, *in.resume_from);
   check_resume_flags(in.resumed->run, run_flags(o, data_description(in), in.model),
                      *in.resume_from);
   in.model.description = in.resume_from->string() + " (resumed)";
@@ -242,6 +246,9 @@ TrainInputs check_inputs(const TrainOptions& o) {
           "supported yet");
     }
     if (!o.quant.empty()) check_qat_model(o, in.model.config);
+    if (o.distill.teacher) {
+      in.teacher = check_teacher(o.distill, in.model, o.io.tensor_parallel);
+    }
     if (o.calib_data) {
       ModelDataOptions calib = o.io;
       calib.data = o.calib_data;
@@ -338,7 +345,8 @@ void run_steps(const TrainOptions& o, train::Trainer& trainer,
   const train::StepMetricsFields fields{.aux_loss = trainer.loss().reports_aux_loss(),
                                         .aux_loss_weight = trainer.loss().aux_loss_weight(),
                                         .all_to_all_bytes = o.io.expert_parallel > 1,
-                                        .skipped = o.skip_nonfinite};
+                                        .skipped = o.skip_nonfinite,
+                                        .distillation = trainer.loss().reports_distillation()};
   const auto started = std::chrono::steady_clock::now();
   int steps_here = 0;
   while (!trainer.done()) {
@@ -471,6 +479,15 @@ int run_train(const TrainOptions& o) {
                " sequences of " + calibration.description +
                ", amax frozen from step 1), backward " + o.quant_backward;
   }
+  const double aux_weight = train::aux_loss_weight(built.model->config, o.router_aux_loss_coef);
+  // --teacher: the teacher built on the same layout, before anything is written.
+  std::unique_ptr<train::LossFunction> loss;
+  if (in.teacher) {
+    loss = make_distillation_loss(o.distill, *in.teacher, built.model->config, aux_weight,
+                                  o.io.seed, layout, in.mp_policy);
+  } else {
+    loss = std::make_unique<train::CausalLmLoss>(built.model->config, aux_weight);
+  }
   // The run directory is this job's from here on (rank 0 holds the lock; a second job into
   // the same directory gets one line naming this one's pid). Taken once the model is known to
   // be good, so that a bad checkpoint leaves no lock file behind; the earlier run goes only now.
@@ -479,10 +496,7 @@ int run_train(const TrainOptions& o) {
     if (rank() == 0) lock = std::make_unique<RunLock>(o.out);
   });
   if (rank() == 0 && in.replace_earlier) remove_earlier_run(o.out);
-  const hf::LlamaConfig config = built.model->config;
   const hf::Parallelism built_parallelism = built.parallelism;  // the trainer takes `built`
-  const double aux_weight = train::aux_loss_weight(config, o.router_aux_loss_coef);
-  auto loss = std::make_unique<train::CausalLmLoss>(config, aux_weight);
   train::Trainer trainer(std::move(built), layout.parallel, data,
                          trainer_options(o, in.fault_steps), std::move(loss),
                          run_flags(o, data_description(in), in.model));
@@ -503,6 +517,7 @@ int run_train(const TrainOptions& o) {
   }
   log_start(o, in, layout, trainer, data, held_out);
   if (!qat_line.empty()) say(qat_line);
+  if (in.teacher) say(describe_distillation_run(o.distill, *in.teacher));
   run_steps(o, trainer, held_out, metrics, carried);
   if (o.export_quantized) {
     // The trained weights with the quantizers as calibrated before step 1: no calibration.

@@ -108,6 +108,7 @@ void declare_train_flags(CLI::App& app, TrainOptions& o) {
                  "(as mdist quantize --out) of the trained weights and the calibrated quantizers, "
                  "without calibrating again")
       ->type_name("DIR");
+  declare_distill_flags(app, o.distill);
   app.footer("\nExample: mdistrun --nproc-per-node 2 mdist train --steps 600 --out runs/long");
 
   app.callback([&o, calib_sequences, quant_backward] {
@@ -179,6 +180,7 @@ void check_train_flags(const TrainOptions& o, int world) {
     throw InputError("--resume and --overwrite exclude each other");
   }
   check_quant_flags(o);
+  check_distill_flags(o.distill, o.io.expert_parallel);
 }
 
 void check_quant_flags(const TrainOptions& o) {

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 
+#include "src/cli/distill_options.h"
 #include "src/cli/flags.h"
 
 namespace mdist::cli {
@@ -64,6 +65,8 @@ struct TrainOptions {
   std::optional<std::filesystem::path> export_quantized;
   bool calib_sequences_given = false;  // set after parsing: --calib-sequences was on the line
   bool quant_backward_given = false;   // set after parsing: --quant-backward was on the line
+  // Knowledge distillation (--teacher, src/cli/distill_options.h).
+  DistillOptions distill;
 };
 
 void declare_train_flags(CLI::App& app, TrainOptions& options);

@@ -89,7 +89,7 @@ std::optional<CheckpointQuantization> checkpoint_quantization(const std::filesys
 
 bool is_readable(const CheckpointQuantization& q) {
   return (q.quant_algo == "FP8" || q.quant_algo == "W8A8_SQ_PER_CHANNEL" ||
-          q.quant_algo == "NVFP4" || q.quant_algo == "W4A16_AWQ") &&
+          q.quant_algo == "NVFP4" || q.quant_algo == "W4A16_AWQ" || q.quant_algo == "W4A8_AWQ") &&
          (!q.kv_cache_quant_algo || *q.kv_cache_quant_algo == "FP8");
 }
 
@@ -105,15 +105,19 @@ bool is_quantized_weight(const SafetensorsCheckpoint& checkpoint, const std::str
 at::ScalarType stored_weight_dtype(const std::string& quant_algo) {
   if (quant_algo == "FP8") return at::kFloat8_e4m3fn;
   if (quant_algo == "W8A8_SQ_PER_CHANNEL") return at::kChar;
-  if (quant_algo == "NVFP4" || quant_algo == "W4A16_AWQ") return at::kByte;
+  if (quant_algo == "NVFP4" || quant_algo == "W4A16_AWQ" || quant_algo == "W4A8_AWQ") {
+    return at::kByte;
+  }
   throw Error("quant_algo " + quant_algo + " is not read back");
 }
 
 bool is_nvfp4_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name) {
   if (!name.ends_with(".weight") || !checkpoint.contains(name)) return false;
   const std::string module = module_of(name);
+  // W4A8_AWQ's INT4 weights have a weight_scale_2 too, but fp32 block scales.
   return checkpoint.info(name).dtype == at::kByte &&
          checkpoint.contains(module + ".weight_scale") &&
+         checkpoint.info(module + ".weight_scale").dtype == at::kFloat8_e4m3fn &&
          checkpoint.contains(module + ".weight_scale_2");
 }
 
@@ -127,8 +131,10 @@ std::vector<int64_t> model_shape(const SafetensorsCheckpoint& checkpoint, const 
   if (shape.empty()) return shape;
   // NVFP4: two E2M1 codes per byte along the input dim; W4A16_AWQ: two int4 output rows per
   // byte.
-  if (is_nvfp4_weight(checkpoint, name)) shape.back() *= 2;
-  else if (is_int4_weight(checkpoint, name)) shape.front() *= 2;
+  if (is_nvfp4_weight(checkpoint, name))
+    shape.back() *= 2;
+  else if (is_int4_weight(checkpoint, name))
+    shape.front() *= 2;
   return shape;
 }
 
@@ -170,15 +176,32 @@ at::Tensor dequantized_int4_rows(const SafetensorsCheckpoint& checkpoint, const 
           .reshape({2 * (p1 - p0), in});
   const at::Tensor codes =
       at::where(nibbles >= 8, nibbles - 16, nibbles).narrow(0, first - 2 * p0, count);
-  return codes.to(at::kFloat) *
-         scale.narrow(0, first, count).repeat_interleave(in / scale.size(1), 1);
+  const at::Tensor int4 =
+      codes.to(at::kFloat) * scale.narrow(0, first, count).repeat_interleave(in / scale.size(1), 1);
+  const std::string scale_2_name = module_of(name) + ".weight_scale_2";
+  if (!checkpoint.contains(scale_2_name)) return int4;
+  // W4A8_AWQ: the SequentialQuantizer's second stage, E4M3 fake quant with amax =
+  // weight_scale_2 * 448, in modelopt's `_fp8_eager` arithmetic (mdist::quant's
+  // e4m3_fake_quant, which this layer, below quant, cannot call).
+  const at::Tensor scale_2 = checkpoint.tensor(scale_2_name).to(at::kFloat);
+  if (scale_2.numel() != 1) {
+    throw Error("'" + scale_2_name + "' has " + std::to_string(scale_2.numel()) +
+                " values; one per tensor is read back");
+  }
+  const at::Tensor amax = scale_2.reshape({}) * 448.0;
+  const at::Tensor safe_amax = at::where(amax <= 1.0 / (1 << 24), at::ones_like(amax), amax);
+  const at::Tensor fp8_scale = at::reciprocal(safe_amax) * 448.0;
+  const at::Tensor fp8_scale_inv = at::reciprocal(fp8_scale);
+  return (int4 * fp8_scale).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn).to(at::kFloat) *
+         fp8_scale_inv;
 }
 
 }  // namespace
 
 at::Tensor dequantized_rows(const SafetensorsCheckpoint& checkpoint, const std::string& name,
                             std::int64_t first_row, std::int64_t rows) {
-  if (is_int4_weight(checkpoint, name)) return dequantized_int4_rows(checkpoint, name, first_row, rows);
+  if (is_int4_weight(checkpoint, name))
+    return dequantized_int4_rows(checkpoint, name, first_row, rows);
   const at::Tensor stored =
       rows < 0 ? checkpoint.tensor(name) : checkpoint.read_rows(name, first_row, rows);
   if (is_nvfp4_weight(checkpoint, name)) {

@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <string>
+#include <vector>
 
 #include "mdist/error.h"
 #include "mdist/nn/hooks.h"
@@ -47,13 +49,17 @@ std::vector<double> alpha_grid() {
 struct AwqState {
   QuantizedLinear* q = nullptr;
   bool column_parallel = false;
+  bool row_parallel = false;
   int64_t block = 0;
   at::Tensor act_scale;     // fp32 [in]: sum over the cache forwards, then their mean
   at::Tensor weight_scale;  // fp32 [in]
   int64_t cache_steps = 0;
   int64_t search_steps = 0;
-  std::vector<at::Tensor> loss;  // fp32 [], one per alpha
+  std::vector<at::Tensor> loss;    // fp32 [], one per alpha
+  std::vector<at::Tensor> scales;  // fp32 [in], the candidate scale of each alpha
   bool enabled = true;
+  bool input_quantized = false;  // its input quantizer was enabled (W4A8)
+  at::Tensor act_amax;           // W4A8: max |x_c| per input channel, in x's dtype
 };
 
 // get_weight_scale: mean over rows of |W| / (block max |W| + tiny), in W's dtype, then fp32.
@@ -75,15 +81,25 @@ bool group_used(const DistributedProcessGroup& group) {
 }
 
 // get_scale: the candidate scale of one alpha (fp32 [in]); a column-parallel Linear's is
-// averaged over the tensor-parallel group (SUM, then / tp, as modelopt).
+// averaged over the tensor-parallel group (SUM, then / tp, as modelopt; every rank holds the
+// same one, see awq.h). A row-parallel Linear's shard holds some of the input channels: the
+// normalisation takes the max and min over all of them (MAX over the tensor-parallel group),
+// so that each rank holds its part of the one-rank scale.
 at::Tensor candidate_scale(const AwqState& state, double alpha, const QuantizeOptions& options) {
   at::Tensor s = (state.act_scale.pow(alpha) /
                   (state.weight_scale.to(state.act_scale.device()).pow(1.0 - alpha) +
                    static_cast<double>(std::numeric_limits<float>::min())))
                      .clamp(1e-4, 1e4)
                      .view({-1});
-  s = (s / (s.max() * s.min()).sqrt()).view({-1});
   const auto& tp = options.parallel.tensor_parallel_group;
+  at::Tensor max = s.max(), min = s.min();
+  if (state.row_parallel && group_used(tp)) {
+    at::Tensor bounds = at::stack({max, -min});
+    tp::all_reduce_(bounds, tp.group(), "max");
+    max = bounds[0];
+    min = -bounds[1];
+  }
+  s = (s / (max * min).sqrt()).view({-1});
   if (state.column_parallel && group_used(tp)) {
     tp::all_reduce_(s, tp.group(), "sum");
     s = s / static_cast<double>(tp.world_size());
@@ -94,19 +110,29 @@ at::Tensor candidate_scale(const AwqState& state, double alpha, const QuantizeOp
 // One search forward: modelopt's QuantLinear with input pre_quant_scale 1/s and weight
 // pre_quant_scale s, its weight fake-quantized with each block's own max, against the
 // unquantized output.
-void search_step(AwqState& state, const at::Tensor& x, const std::vector<double>& alphas,
-                 const QuantizeOptions& options) {
+// A row-parallel Linear's outputs are partial sums over its input channels (its bias is
+// added after the all-reduce, outside this call): summed over the tensor-parallel group, the
+// loss is that of the Linear's whole output, as on one rank (and as modelopt's, whose
+// row-parallel forward includes the reduction).
+void search_step(AwqState& state, const at::Tensor& x, const QuantizeOptions& options) {
   const auto& linear = *state.q->linear;
   const at::Tensor weight = linear.weight.detach();
   const auto dtype = weight.scalar_type();
   const c10::optional<at::Tensor> bias =
       linear.bias.defined() ? c10::optional<at::Tensor>(linear.bias.detach()) : c10::nullopt;
-  const at::Tensor actual = at::linear(x, weight, bias);
-  for (std::size_t i = 0; i < alphas.size(); ++i) {
-    const at::Tensor s = candidate_scale(state, alphas[i], options);
+  const auto& tp = options.parallel.tensor_parallel_group;
+  const bool reduce = state.row_parallel && group_used(tp);
+  const auto whole = [&](at::Tensor partial) {
+    if (reduce) tp::all_reduce_(partial, tp.group(), "sum");
+    return partial;
+  };
+  const at::Tensor actual = whole(at::linear(x, weight, bias).contiguous());
+  for (std::size_t i = 0; i < state.scales.size(); ++i) {
+    const at::Tensor& s = state.scales[i];
     TensorQuantizer dynamic(state.q->weight_quantizer->format());
     const at::Tensor fake_weight = dynamic(weight * s.to(dtype));
-    const at::Tensor out = at::linear(x * s.reciprocal().to(dtype), fake_weight, bias);
+    const at::Tensor out =
+        whole(at::linear(x * s.reciprocal().to(dtype), fake_weight, bias).contiguous());
     state.loss[i] += (out - actual).to(at::kFloat).pow(2).mean().to(state.loss[i].device());
   }
   ++state.search_steps;
@@ -129,13 +155,19 @@ void all_reduce(std::vector<at::Tensor>& tensors, const DistributedProcessGroup&
 }
 
 // modelopt's max_calibrate(linear, weight_quantizer(weight)): the block amax taken from
-// `weight`, then quantizing.
+// `weight`, then quantizing; a SequentialQuantizer's second stage (W4A8's FP8) from the same
+// weight (awq's "special handling for SequentialQuantizer").
 void recalibrate(TensorQuantizer& quantizer, const at::Tensor& weight) {
   quantizer->set_mode(Mode::calibrate);
   quantizer(weight);
   quantizer->load_calib_amax();
   quantizer->reset_calibration();
   quantizer->set_mode(Mode::quantize);
+}
+
+void recalibrate(QuantizedLinear& q, const at::Tensor& weight) {
+  recalibrate(q.weight_quantizer, weight);
+  if (q.weight_quantizer_2) recalibrate(q.weight_quantizer_2, weight);
 }
 
 }  // namespace
@@ -168,8 +200,9 @@ void check_awq_blocks(const std::vector<QuantizedLinear*>& linears) {
 }
 
 void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
-              const std::vector<bool>& column_parallel, const ForwardLoop& forward_loop,
-              const QuantizeOptions& options, bool weights_from_forward) {
+              const std::vector<bool>& column_parallel, const std::vector<bool>& row_parallel,
+              const ForwardLoop& forward_loop, const QuantizeOptions& options,
+              bool weights_from_forward) {
   if (!forward_loop) throw InputError("mdist::quant: AWQ needs a forward loop (calibration data)");
   check_awq_blocks(linears);
   const std::vector<double> alphas = alpha_grid();
@@ -178,14 +211,21 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
     auto state = std::make_unique<AwqState>();
     state->q = linears[i];
     state->column_parallel = column_parallel.at(i);
+    state->row_parallel = row_parallel.at(i);
     state->block = linears[i]->weight_quantizer->format().block_size();
     // modelopt takes it when the helper is made; a model wrapped by fully_shard holds its
     // whole weight only in its forwards, where the hook takes it instead.
     if (!weights_from_forward) {
       state->weight_scale = weight_scale(linears[i]->linear->weight, state->block);
     }
-    // The search's weights are fake-quantized with their blocks' own max: no amax yet.
+    // The search's weights are fake-quantized with their blocks' own max: no amax yet; only
+    // the first stage of a SequentialQuantizer (modelopt's convert_to_single_quantizer).
     linears[i]->weight_quantizer->set_mode(Mode::disabled);
+    if (linears[i]->weight_quantizer_2) linears[i]->weight_quantizer_2->set_mode(Mode::disabled);
+    // A quantized input (W4A8's FP8) is calibrated per channel in the cache pass (modelopt's
+    // axis -1) and stays unquantized in the search (modelopt's AWQLiteHelper.setup).
+    state->input_quantized = linears[i]->input_quantizer->is_enabled();
+    if (state->input_quantized) linears[i]->input_quantizer->set_mode(Mode::disabled);
     states.push_back(std::move(state));
   }
 
@@ -196,7 +236,7 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
     AwqState* state = owned.get();
     hooks.push_back(nn::register_forward_pre_hook(
         *state->q->linear,
-        [state, &searching, &alphas, &options](torch::nn::Module&, nn::TensorRefs& inputs) {
+        [state, &searching, &options](torch::nn::Module&, nn::TensorRefs& inputs) {
           if (inputs.empty() || inputs.front()->numel() == 0 || !state->enabled) return;
           const at::NoGradGuard no_grad;
           const at::Tensor& x = *inputs.front();
@@ -204,9 +244,16 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
           if (!searching && !state->weight_scale.defined()) {
             state->weight_scale = weight_scale(state->q->linear->weight, state->block);
           }
+          // The per-channel input max (a repeated forward does not change a maximum).
+          if (!searching && state->input_quantized) {
+            std::vector<int64_t> dims(static_cast<std::size_t>(x.dim() - 1));
+            std::iota(dims.begin(), dims.end(), 0);
+            const at::Tensor amax = at::amax(x.detach().abs(), dims);
+            state->act_amax = state->act_amax.defined() ? at::maximum(state->act_amax, amax) : amax;
+          }
           if (uncounted_depth > 0) return;
           if (searching) {
-            search_step(*state, x.detach(), alphas, options);
+            search_step(*state, x.detach(), options);
             return;
           }
           const at::Tensor act = act_scale(x);
@@ -238,6 +285,51 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
     }
     const auto& dp = options.parallel.data_parallel_group;
     all_reduce(sums, dp, "sum");
+    // The per-channel input maxima: MAX over the data-parallel group (max_calibrate's sync);
+    // a rank that saw no token sends zeros. A Linear no rank reached keeps none.
+    std::vector<at::Tensor> act_amax;
+    for (auto& state : states) {
+      if (!state->input_quantized) continue;
+      const int64_t in = state->q->linear->weight.size(1);
+      act_amax.push_back(state->act_amax.defined()
+                             ? at::cat({state->act_amax.to(device).to(at::kFloat),
+                                        at::ones({1}, at::TensorOptions().device(device))})
+                             : at::zeros({in + 1}, at::TensorOptions().device(device)));
+    }
+    all_reduce(act_amax, dp, "max");
+    std::size_t quantized_input = 0;
+    for (auto& state : states) {
+      if (!state->input_quantized) continue;
+      const at::Tensor& amax = act_amax[quantized_input++];
+      const int64_t in = state->q->linear->weight.size(1);
+      const auto dtype = state->act_amax.defined() ? state->act_amax.scalar_type()
+                                                   : state->q->linear->weight.scalar_type();
+      state->act_amax =
+          amax[in].item<double>() > 0 ? amax.narrow(0, 0, in).to(dtype) : at::Tensor();
+    }
+    // A column-parallel Linear holds some of the weight's rows: w is their mean over all rows
+    // (row sums and row counts summed over the tensor-parallel group), the one-rank statistic,
+    // where modelopt averages the shards' candidate scales (see awq.h).
+    std::vector<at::Tensor> row_sums;
+    for (auto& state : states) {
+      if (!state->column_parallel) continue;
+      const int64_t in = state->q->linear->weight.size(1);
+      const auto rows = static_cast<double>(state->q->linear->weight.size(0));
+      row_sums.push_back(state->weight_scale.defined()
+                             ? at::cat({state->weight_scale.to(device) * rows,
+                                        at::full({1}, rows, at::TensorOptions().device(device))})
+                             : at::zeros({in + 1}, at::TensorOptions().device(device)));
+    }
+    all_reduce(row_sums, options.parallel.tensor_parallel_group, "sum");
+    std::size_t column = 0;
+    for (auto& state : states) {
+      if (!state->column_parallel) continue;
+      const at::Tensor& sum = row_sums[column++];
+      const int64_t in = state->q->linear->weight.size(1);
+      if (state->weight_scale.defined() && group_used(options.parallel.tensor_parallel_group)) {
+        state->weight_scale = sum.narrow(0, 0, in) / sum[in];
+      }
+    }
     for (std::size_t i = 0; i < states.size(); ++i) {
       AwqState& state = *states[i];
       const int64_t in = state.q->linear->weight.size(1);
@@ -254,6 +346,7 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
       }
       for (std::size_t a = 0; a < alphas.size(); ++a) {
         state.loss.push_back(at::zeros({}, at::TensorOptions().device(device).dtype(at::kFloat)));
+        state.scales.push_back(candidate_scale(state, alphas[a], options));
       }
     }
 
@@ -288,6 +381,19 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
       QuantizedLinear& q = *state.q;
       const auto dtype = q.linear->weight.scalar_type();
       q.weight_quantizer->set_mode(Mode::quantize);
+      if (q.weight_quantizer_2) q.weight_quantizer_2->set_mode(Mode::quantize);
+      if (state.input_quantized) q.input_quantizer->set_mode(Mode::quantize);
+      // W4A8's input amax (modelopt's postprocess and apply_pre_quant_scale_and_smooth): the
+      // max over channels of max|x_c| (in W's dtype) times the fp32 pre_quant_scale, in W's
+      // dtype; on the fallback the unsmoothed max.
+      const auto set_input_amax = [&](const at::Tensor& pre_quant_scale) {
+        if (!state.input_quantized || !state.act_amax.defined()) return;
+        const at::Tensor act = state.act_amax.to(dtype);
+        q.input_quantizer->set_amax((pre_quant_scale.defined()
+                                         ? (act * pre_quant_scale.to(act.device())).amax()
+                                         : act.amax())
+                                        .to(dtype));
+      };
       if (state.enabled) {
         // min() over the losses as Python floats: the first smallest wins.
         std::size_t best = 0;
@@ -297,11 +403,12 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
             best = a;
           }
         }
-        const at::Tensor pre_quant_scale =
-            candidate_scale(state, alphas[best], options).reciprocal();
+        const at::Tensor pre_quant_scale = state.scales[best].reciprocal();
         q.input_quantizer->set_pre_quant_scale(pre_quant_scale.to(dtype));
+        set_input_amax(pre_quant_scale);
         q.smoothing = pre_quant_scale.reciprocal();
       } else {
+        set_input_amax(at::Tensor());
         q.input_quantizer->set_pre_quant_scale(
             at::ones({q.linear->weight.size(1)}, q.linear->weight.options().dtype(dtype)));
       }
@@ -311,7 +418,7 @@ void awq_lite(hf::CausalLM& model, const std::vector<QuantizedLinear*>& linears,
         const at::Tensor weight = q.smoothing.defined()
                                       ? smoothed_weight(q.linear->weight.detach(), q.smoothing)
                                       : q.linear->weight.detach();
-        recalibrate(q.weight_quantizer, weight);
+        recalibrate(q, weight);
       }
     }
   } catch (...) {

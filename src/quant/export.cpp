@@ -1,4 +1,5 @@
-// quant::export_hf_checkpoint: modelopt 0.47's unified HF checkpoint for FP8, INT8, INT4 AWQ and NVFP4.
+// quant::export_hf_checkpoint: modelopt 0.47's unified HF checkpoint for FP8, INT8, INT4 AWQ and
+// NVFP4.
 #include "mdist/quant/export.h"
 
 #include <ATen/ATen.h>
@@ -54,10 +55,11 @@ using detail::scaling_factor;
 using json = nlohmann::ordered_json;
 
 // modelopt's per-layer formats that this export writes (`get_quantization_format`).
-enum class LayerFormat { none, fp8, int8_sq, nvfp4, int4_awq };
+enum class LayerFormat { none, fp8, int8_sq, nvfp4, int4_awq, w4a8_awq };
 
 const char* quant_algo(LayerFormat format) {
   if (format == LayerFormat::int4_awq) return "W4A16_AWQ";
+  if (format == LayerFormat::w4a8_awq) return "W4A8_AWQ";
   if (format == LayerFormat::nvfp4) return "NVFP4";
   return format == LayerFormat::fp8 ? "FP8" : "W8A8_SQ_PER_CHANNEL";
 }
@@ -73,6 +75,13 @@ LayerFormat layer_format(const QuantizedLinear& q) {
       q.input_quantizer->pre_quant_scale().defined()) {
     return LayerFormat::int4_awq;
   }
+  // W4A8_AWQ_BETA_CFG's: INT4 blocks then FP8 per tensor (a SequentialQuantizer), FP8 inputs.
+  if (weight && input && w == QuantFormat::int4_blocks() && x == QuantFormat::fp8() &&
+      q.weight_quantizer_2 && q.weight_quantizer_2->is_enabled() &&
+      q.weight_quantizer_2->format() == QuantFormat::fp8() &&
+      q.input_quantizer->pre_quant_scale().defined()) {
+    return LayerFormat::w4a8_awq;
+  }
   if (weight && input && w == QuantFormat::fp8() && x == QuantFormat::fp8()) {
     return LayerFormat::fp8;
   }
@@ -82,9 +91,10 @@ LayerFormat layer_format(const QuantizedLinear& q) {
   if (weight && input && w == QuantFormat::nvfp4() && x == QuantFormat::nvfp4()) {
     return LayerFormat::nvfp4;
   }
-  throw Error("mdist::quant: export_hf_checkpoint: " + q.name + " is quantized as weight " +
-              (weight ? w.str() : "disabled") + ", input " + (input ? x.str() : "disabled") +
-              "; only the fp8, int8, int4_awq and nvfp4 presets' layers can be exported yet");
+  throw Error(
+      "mdist::quant: export_hf_checkpoint: " + q.name + " is quantized as weight " +
+      (weight ? w.str() : "disabled") + ", input " + (input ? x.str() : "disabled") +
+      "; only the fp8, int8, int4_awq, w4a8_awq and nvfp4 presets' layers can be exported yet");
 }
 
 // The exported tensors of one quantized Linear (modelopt's `_export_quantized_weight` and
@@ -313,7 +323,8 @@ void write_files(hf::CausalLM& model, const std::map<std::string, at::Tensor>& t
   json quantization = {{"quant_algo", quant_algo(format)},
                        {"kv_cache_quant_algo", kv_cache ? json(*kv_cache) : json(nullptr)}};
   if (format == LayerFormat::nvfp4) quantization["group_size"] = 16;
-  if (format == LayerFormat::int4_awq) {  // modelopt's process_layer_quant_config for AWQ
+  // modelopt's process_layer_quant_config for AWQ (int4_awq and w4a8_awq alike).
+  if (format == LayerFormat::int4_awq || format == LayerFormat::w4a8_awq) {
     quantization["group_size"] = QuantFormat::int4_blocks().block_size();
     quantization["has_zero_point"] = false;
     quantization["pre_quant_scale"] = true;
@@ -381,19 +392,22 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
     order.push_back(q->name);
     weight_amax[q->name] = whole_weight_amax(*q, parallelism);
     input_amax[q->name] = q->input_quantizer->amax();
-    if (layer_format(*q) == LayerFormat::int4_awq) {
+    if (layer_format(*q) == LayerFormat::int4_awq || layer_format(*q) == LayerFormat::w4a8_awq) {
       awq.push_back(
           {q->name,
            q->smoothing.defined() ? whole_channels(*q, q->smoothing, parallelism) : at::Tensor(),
-           whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism)});
+           whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism),
+           layer_format(*q) == LayerFormat::w4a8_awq ? q->input_quantizer->amax().cpu()
+                                                     : at::Tensor()});
     } else if (q->smoothing.defined()) {
       smoothing[q->name] = {whole_channels(*q, q->smoothing, parallelism),
                             whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism)};
     }
   }
   if (mdist::is_initialized() && !mdist::is_master()) return;
-  if (*format == LayerFormat::int4_awq) {
-    detail::export_int4_awq(awq, QuantFormat::int4_blocks().block_size(), tensors);
+  if (*format == LayerFormat::int4_awq || *format == LayerFormat::w4a8_awq) {
+    detail::export_int4_awq(awq, QuantFormat::int4_blocks().block_size(),
+                            *format == LayerFormat::w4a8_awq, tensors);
     for (auto& [name, scale] : detail::kv_cache_scales(quantizers.attentions())) {
       tensors[name] = std::move(scale);
     }
@@ -433,7 +447,8 @@ std::map<std::string, at::Tensor> whole_amax_state_dict(const ModelQuantizers& q
   std::map<std::string, at::Tensor> amax = quantizers.amax_state_dict();
   for (const auto& q : quantizers.linears()) {
     if (!q->weight_quantizer->has_amax()) continue;
-    amax[q->name + ".weight_quantizer._amax"] = whole_weight_amax(*q, parallelism);
+    const std::string stage = q->weight_quantizer_2 ? ".weight_quantizer.0" : ".weight_quantizer";
+    amax[q->name + stage + "._amax"] = whole_weight_amax(*q, parallelism);
   }
   return amax;
 }

@@ -11,8 +11,9 @@
 namespace mdist::quant::detail {
 namespace {
 
-// INT4's maxbound (2^3 - 1).
+// INT4's maxbound (2^3 - 1), E4M3's.
 constexpr double kInt4Bound = 7.0;
+constexpr double kFp8Bound = 448.0;
 
 // The norm whose output the Linear reads when it shares that input with its siblings (modelopt
 // finds these with a dummy forward; in the Llama-like decoders mdist builds they are q/k/v after
@@ -45,12 +46,14 @@ at::Tensor pack_int4(const at::Tensor& codes) {
 
 }  // namespace
 
-void export_int4_awq(const std::vector<AwqLayer>& layers, int64_t block_size,
+void export_int4_awq(const std::vector<AwqLayer>& layers, int64_t block_size, bool w4a8,
                      std::map<std::string, at::Tensor>& tensors) {
   struct Layer {
     at::Tensor weight;
     at::Tensor pre_quant_scale;
     bool fused = false;
+    at::Tensor input_amax;     // W4A8
+    at::Tensor weight_amax_2;  // W4A8: the FP8 stage's, max |W|
   };
   std::map<std::string, Layer> state;
   std::map<std::string, std::vector<std::string>> groups;
@@ -61,10 +64,15 @@ void export_int4_awq(const std::vector<AwqLayer>& layers, int64_t block_size,
       throw Error("mdist::quant: export_hf_checkpoint: " + layer.name + " has out_features " +
                   std::to_string(weight.size(0)) + "; INT4 packs two output rows per byte");
     }
+    if (w4a8 && !layer.input_amax.defined()) {
+      throw Error("mdist::quant: export_hf_checkpoint: " + layer.name +
+                  ".input_quantizer has no amax (no calibration input reached it)");
+    }
     state[layer.name] = {layer.smoothing.defined()
                              ? smoothed_weight(weight, layer.smoothing.to(weight.device()))
                              : weight,
-                         layer.pre_quant_scale.to(weight.device())};
+                         layer.pre_quant_scale.to(weight.device()), false,
+                         w4a8 ? layer.input_amax.to(weight.device()) : at::Tensor(), at::Tensor()};
     const std::string group = shared_input(layer.name).first;
     if (!groups.contains(group)) group_order.push_back(group);
     groups[group].push_back(layer.name);
@@ -85,6 +93,21 @@ void export_int4_awq(const std::vector<AwqLayer>& layers, int64_t block_size,
       }
       layer.fused = true;
     }
+    if (w4a8) {
+      // preprocess_linear_fusion: the group's input amax and second-stage weight amax are the
+      // max over its members, the latter taken after the re-fold (_update_pre_quant_scale
+      // recalibrates both stages).
+      std::vector<at::Tensor> inputs, weights;
+      for (const auto& m : members) {
+        inputs.push_back(state.at(m).input_amax.reshape({}));
+        weights.push_back(state.at(m).weight.abs().amax());
+      }
+      const at::Tensor input = at::max(at::stack(inputs)), weight = at::max(at::stack(weights));
+      for (const auto& m : members) {
+        state.at(m).input_amax = input;
+        state.at(m).weight_amax_2 = weight;
+      }
+    }
     const std::string norm = shared_input(members.front()).second;
     if (!tensors.contains(norm)) {
       throw Error("mdist::quant: export_hf_checkpoint: " + group + " shares an input but " + norm +
@@ -101,6 +124,12 @@ void export_int4_awq(const std::vector<AwqLayer>& layers, int64_t block_size,
     tensors[layer.name + ".weight"] = pack_int4(codes);
     tensors[layer.name + ".weight_scale"] = scale;
     if (!s.fused) tensors[layer.name + ".pre_quant_scale"] = s.pre_quant_scale;
+    if (w4a8) {
+      const at::Tensor weight_amax_2 =
+          s.weight_amax_2.defined() ? s.weight_amax_2 : s.weight.abs().amax();
+      tensors[layer.name + ".weight_scale_2"] = scaling_factor(weight_amax_2, kFp8Bound).squeeze();
+      tensors[layer.name + ".input_scale"] = scaling_factor(s.input_amax, kFp8Bound).squeeze();
+    }
   }
 }
 

@@ -19,6 +19,9 @@ struct AwqLayer {
   std::string name;            // "model.layers.0.mlp.up_proj"
   at::Tensor smoothing;        // fp32 [in], the fold W * smoothing; undefined: none (fallback)
   at::Tensor pre_quant_scale;  // [in], in the weights' dtype
+  // W4A8_AWQ: the input quantizer's per-tensor amax (of the smoothed input); W4A16:
+  // undefined.
+  at::Tensor input_amax;
 };
 
 // modelopt's requantize_resmooth_fused_llm_layers, fuse_prequant_layernorm and
@@ -32,8 +35,12 @@ struct AwqLayer {
 //  - per Linear: weight_scale f32 [out, in / block] = block amax (sanitised) / 7, weight uint8
 //    [out / 2, in] = two int4 codes clamp(round_half_even(W / scale), -8, 7) of rows 2r (low
 //    nibble) and 2r + 1 (high nibble); o_proj and down_proj keep `pre_quant_scale`.
+// `w4a8` (W4A8_AWQ, the same weights and weight_scale) adds per Linear weight_scale_2 f32 [] =
+// the second (FP8) weight stage's amax / 448, that amax max |W| of the weight as written
+// (re-folded or not, in its dtype), and input_scale f32 [] = the input amax / 448; q/k/v and
+// gate/up share the group's max of each (preprocess_linear_fusion).
 // Throws Error for an odd out_features or a shared-input group without its norm.
-void export_int4_awq(const std::vector<AwqLayer>& layers, int64_t block_size,
+void export_int4_awq(const std::vector<AwqLayer>& layers, int64_t block_size, bool w4a8,
                      std::map<std::string, at::Tensor>& tensors);
 
 }  // namespace mdist::quant::detail

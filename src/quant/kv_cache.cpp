@@ -32,7 +32,8 @@ void add_kv_cache_rules(QuantConfig& config, std::string_view name) {
     throw InputError("mdist::quant: unknown KV-cache format '" + std::string(name) +
                      "'; the KV-cache formats are: fp8 (modelopt's FP8_KV_CFG)");
   }
-  config.rules.push_back(QuantRule{"*[kv]_bmm_quantizer", QuantFormat::fp8(), true, std::nullopt});
+  config.rules.push_back(
+      QuantRule{"*[kv]_bmm_quantizer", QuantFormat::fp8(), true, std::nullopt, std::nullopt});
   config.name += "+kv_fp8";
 }
 

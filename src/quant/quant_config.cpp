@@ -10,15 +10,15 @@ namespace mdist::quant {
 namespace {
 
 QuantRule disable(std::string pattern) {
-  return QuantRule{std::move(pattern), std::nullopt, false, std::nullopt};
+  return QuantRule{std::move(pattern), std::nullopt, false, std::nullopt, std::nullopt};
 }
 
 QuantRule disable_class(std::string parent_class) {
-  return QuantRule{"*", std::nullopt, false, std::move(parent_class)};
+  return QuantRule{"*", std::nullopt, false, std::move(parent_class), std::nullopt};
 }
 
 QuantRule configure(std::string pattern, QuantFormat format) {
-  return QuantRule{std::move(pattern), std::move(format), true, std::nullopt};
+  return QuantRule{std::move(pattern), std::move(format), true, std::nullopt, std::nullopt};
 }
 
 // A preset: disable everything, configure the weight and input quantizers, then modelopt's
@@ -60,7 +60,7 @@ QuantFormat default_format(QuantizerRole role) {
 }
 
 std::vector<std::string> QuantConfig::preset_names() {
-  return {"fp8", "int8", "int8_sq", "int4_awq", "nvfp4"};
+  return {"fp8", "int8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"};
 }
 
 QuantConfig QuantConfig::preset(std::string_view name) {
@@ -85,6 +85,14 @@ QuantConfig QuantConfig::preset(std::string_view name) {
     config.algorithm = "awq_lite";
     return config;
   }
+  // W4A8_AWQ_BETA_CFG: a SequentialQuantizer on the weights, INT4 in static blocks of 128 and
+  // then FP8 per tensor; FP8 per-tensor inputs; calibrated by AWQ-lite.
+  if (name == "w4a8_awq") {
+    QuantConfig config = make_preset("w4a8_awq", QuantFormat::int4_blocks(), QuantFormat::fp8());
+    config.rules.at(1).second_format = QuantFormat::fp8();
+    config.algorithm = "awq_lite";
+    return config;
+  }
   std::string known;
   for (const auto& preset : preset_names()) known += (known.empty() ? "" : ", ") + preset;
   throw InputError("mdist::quant: unknown quantization format '" + std::string(name) +
@@ -93,11 +101,14 @@ QuantConfig QuantConfig::preset(std::string_view name) {
 
 ResolvedQuantizer QuantConfig::resolve(std::string_view quantizer_name,
                                        std::string_view parent_class, QuantizerRole role) const {
-  ResolvedQuantizer resolved{default_format(role), true};
+  ResolvedQuantizer resolved{default_format(role), true, std::nullopt};
   for (const auto& rule : rules) {
     if (rule.parent_class && *rule.parent_class != parent_class) continue;
     if (!wildcard_match(rule.pattern, quantizer_name)) continue;
-    if (rule.format) resolved.format = *rule.format;
+    if (rule.format) {
+      resolved.format = *rule.format;
+      resolved.second_format = rule.second_format;
+    }
     resolved.enabled = rule.enable;
   }
   return resolved;

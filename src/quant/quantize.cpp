@@ -92,13 +92,19 @@ void collect_channels(QuantizedLinear& q, const at::Tensor& x) {
 }
 
 // modelopt's `max_calibrate(linear, lambda l: l.weight_quantizer(l.weight))` after smoothing:
-// the amax taken again from `weight`.
+// the amax taken again from `weight` (a SequentialQuantizer's stages both from the weight, as
+// in calibrate mode each returns its input).
 void recalibrate(TensorQuantizer& quantizer, const at::Tensor& weight) {
   quantizer->set_mode(Mode::calibrate);
   quantizer(weight);
   quantizer->load_calib_amax();
   quantizer->reset_calibration();
   quantizer->set_mode(Mode::quantize);
+}
+
+void recalibrate(QuantizedLinear& q, const at::Tensor& weight) {
+  recalibrate(q.weight_quantizer, weight);
+  if (q.weight_quantizer_2) recalibrate(q.weight_quantizer_2, weight);
 }
 
 // MAX all-reduce of several tensors over `group`, in place (packed in fp32, which holds the
@@ -157,9 +163,14 @@ ModelQuantizers::ModelQuantizers(hf::CausalLM& model, const QuantConfig& config)
     quantized->input_quantizer = make_quantizer(
         config_.resolve(item.key() + ".input_quantizer", kLinearClass, QuantizerRole::input),
         config_.pass_through_bwd);
-    quantized->weight_quantizer = make_quantizer(
-        config_.resolve(item.key() + ".weight_quantizer", kLinearClass, QuantizerRole::weight),
-        config_.pass_through_bwd);
+    const ResolvedQuantizer weight =
+        config_.resolve(item.key() + ".weight_quantizer", kLinearClass, QuantizerRole::weight);
+    quantized->weight_quantizer = make_quantizer(weight, config_.pass_through_bwd);
+    if (weight.second_format) {
+      quantized->weight_quantizer_2 =
+          make_quantizer(ResolvedQuantizer{*weight.second_format, weight.enabled, std::nullopt},
+                         config_.pass_through_bwd);
+    }
     install_hooks(*quantized);
     linears_.push_back(std::move(quantized));
   }
@@ -187,8 +198,10 @@ void ModelQuantizers::install_hooks(QuantizedLinear& q) {
           *inputs.front() = q.input_quantizer(*inputs.front());
         }
         if (!q.weight_quantizer->is_enabled()) return;
+        const bool second = q.weight_quantizer_2 && q.weight_quantizer_2->is_enabled();
         if (q.weight_quantizer->mode() == Mode::calibrate) {
           q.weight_quantizer(q.linear->weight);  // collects; the weight stays as it is
+          if (second) q.weight_quantizer_2(q.linear->weight);
           return;
         }
         // The fake-quantized weight replaces the Linear's member (not its registered
@@ -197,10 +210,11 @@ void ModelQuantizers::install_hooks(QuantizedLinear& q) {
         const at::Tensor weight =
             q.smoothing.defined() ? smoothed_weight(q.saved_weight, q.smoothing) : q.saved_weight;
         if (q.weight_amax_pending) {
-          recalibrate(q.weight_quantizer, weight);
+          recalibrate(q, weight);
           q.weight_amax_pending = false;
         }
-        q.linear->weight = q.weight_quantizer(weight);
+        q.linear->weight =
+            second ? q.weight_quantizer_2(q.weight_quantizer(weight)) : q.weight_quantizer(weight);
       }));
   const auto restore = [&q] {
     if (!q.saved_weight.defined()) return;
@@ -227,8 +241,8 @@ void ModelQuantizers::install_hooks(QuantizedAttention& a) {
 
 void ModelQuantizers::set_mode(Mode mode) {
   for (const auto& q : linears_) {
-    for (auto* quantizer : {&q->input_quantizer, &q->weight_quantizer}) {
-      if ((*quantizer)->is_enabled()) (*quantizer)->set_mode(mode);
+    for (auto* quantizer : {&q->input_quantizer, &q->weight_quantizer, &q->weight_quantizer_2}) {
+      if (*quantizer && (*quantizer)->is_enabled()) (*quantizer)->set_mode(mode);
     }
   }
   for (const auto& a : attentions_) {
@@ -242,7 +256,12 @@ std::map<std::string, TensorQuantizer> ModelQuantizers::quantizers() const {
   std::map<std::string, TensorQuantizer> all;
   for (const auto& q : linears_) {
     all.emplace(q->name + ".input_quantizer", q->input_quantizer);
-    all.emplace(q->name + ".weight_quantizer", q->weight_quantizer);
+    if (q->weight_quantizer_2) {
+      all.emplace(q->name + ".weight_quantizer.0", q->weight_quantizer);
+      all.emplace(q->name + ".weight_quantizer.1", q->weight_quantizer_2);
+    } else {
+      all.emplace(q->name + ".weight_quantizer", q->weight_quantizer);
+    }
   }
   for (const auto& a : attentions_) {
     all.emplace(a->name + ".k_bmm_quantizer", a->k_bmm_quantizer);
@@ -264,6 +283,9 @@ std::map<std::string, at::Tensor> ModelQuantizers::amax_state_dict() const {
 void ModelQuantizers::calibrate_weights_directly() {
   for (const auto& q : linears_) {
     if (q->weight_quantizer->is_enabled()) q->weight_quantizer(q->linear->weight);
+    if (q->weight_quantizer_2 && q->weight_quantizer_2->is_enabled()) {
+      q->weight_quantizer_2(q->linear->weight);
+    }
   }
 }
 
@@ -280,10 +302,14 @@ void ModelQuantizers::load_calib_amax(bool weights_from_forward) {
                   "fully_shard are calibrated in its forwards, so every quantized Linear must run");
     }
     q->weight_quantizer->load_calib_amax();
+    if (q->weight_quantizer_2 && q->weight_quantizer_2->is_enabled()) {
+      q->weight_quantizer_2->load_calib_amax();
+    }
   }
   for (const auto& q : linears_) {
     q->input_quantizer->reset_calibration();
     q->weight_quantizer->reset_calibration();
+    if (q->weight_quantizer_2) q->weight_quantizer_2->reset_calibration();
   }
   // Keys and values an attention never saw (no forward ran) keep no amax, as an input's.
   for (const auto& a : attentions_) {
@@ -312,6 +338,13 @@ void ModelQuantizers::sync_amax(const QuantizeOptions& options) {
           q->name + (role == QuantizerRole::input ? ".input_quantizer" : ".weight_quantizer");
       all.push_back({name, quantizer});
       if (syncs_over_tp(split, role, quantizer->format())) over_tp.push_back({name, quantizer});
+    }
+    if (q->weight_quantizer_2 && q->weight_quantizer_2->is_enabled()) {
+      const std::string name = q->name + ".weight_quantizer.1";
+      all.push_back({name, q->weight_quantizer_2});
+      if (syncs_over_tp(split, QuantizerRole::weight, q->weight_quantizer_2->format())) {
+        over_tp.push_back({name, q->weight_quantizer_2});
+      }
     }
   }
   // KV-cache quantizers: per tensor, MAX over data parallel and over the tensor-parallel
@@ -373,17 +406,41 @@ void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeO
 void ModelQuantizers::calibrate_awq(const ForwardLoop& forward_loop, const QuantizeOptions& options,
                                     bool weights_from_forward) {
   std::vector<QuantizedLinear*> linears;
-  std::vector<bool> column_parallel;
+  std::vector<bool> column_parallel, row_parallel;
   for (const auto& q : linears_) {
     if (!q->weight_quantizer->is_enabled()) continue;
-    if (q->input_quantizer->is_enabled()) {
-      throw InputError("mdist::quant: AWQ with quantized inputs (" + q->name +
-                       ") is not supported yet; only weight-only INT4 AWQ is");
+    const QuantFormat& input = q->input_quantizer->format();
+    if (q->input_quantizer->is_enabled() &&
+        (input.axis() != Axis::per_tensor || input.block_kind() != BlockKind::none)) {
+      // modelopt turns AWQ off for such a Linear (an input axis other than None / -1).
+      throw InputError("mdist::quant: AWQ with inputs quantized as " + input.str() + " (" +
+                       q->name + ") is not supported; only per-tensor input quantizers are");
     }
     linears.push_back(q.get());
     column_parallel.push_back(tp_split(options.parallelism, q->name) == TpSplit::column);
+    row_parallel.push_back(tp_split(options.parallelism, q->name) == TpSplit::row);
   }
-  detail::awq_lite(model_, linears, column_parallel, forward_loop, options, weights_from_forward);
+  detail::awq_lite(model_, linears, column_parallel, row_parallel, forward_loop, options,
+                   weights_from_forward);
+  // W4A8: the per-tensor input amax (of the smoothed input) and the second weight stage's
+  // (max |W| of the folded weight), MAX over the groups, modelopt's max_calibrate sync; a
+  // row-parallel Linear's shards see different input channels and weight columns.
+  std::vector<detail::AmaxToSync> all, over_tp;
+  for (QuantizedLinear* q : linears) {
+    const TpSplit split = tp_split(options.parallelism, q->name);
+    if (q->input_quantizer->is_enabled()) {
+      all.push_back({q->name + ".input_quantizer", q->input_quantizer});
+      if (split != TpSplit::none) over_tp.push_back(all.back());
+    }
+    if (q->weight_quantizer_2 && q->weight_quantizer_2->is_enabled()) {
+      all.push_back({q->name + ".weight_quantizer.1", q->weight_quantizer_2});
+      if (split != TpSplit::none) over_tp.push_back(all.back());
+    }
+  }
+  const c10::Device device =
+      linears_.empty() ? c10::Device(c10::kCPU) : linears_.front()->linear->weight.device();
+  detail::sync_amax_max(all, options.parallel.data_parallel_group, device);
+  detail::sync_amax_max(over_tp, options.parallel.tensor_parallel_group, device);
 }
 
 // modelopt's smoothquant `postprocess` and `apply_pre_quant_scale_and_smooth`, per Linear
@@ -444,7 +501,7 @@ void ModelQuantizers::smooth(const ForwardLoop& forward_loop, const QuantizeOpti
     if (weights_from_forward) {
       q->weight_amax_pending = true;
     } else {
-      recalibrate(q->weight_quantizer, smoothed_weight(q->linear->weight, q->smoothing));
+      recalibrate(*q, smoothed_weight(q->linear->weight, q->smoothing));
     }
   }
   const c10::Device device =

@@ -13,7 +13,8 @@
 namespace mdist::quant {
 
 std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& model,
-                                                               const std::filesystem::path& dir) {
+                                                               const std::filesystem::path& dir,
+                                                               const hf::Parallelism& parallelism) {
   const auto quantization = hf::checkpoint_quantization(dir);
   if (!quantization) return nullptr;
   if (!hf::is_readable(*quantization)) {
@@ -24,9 +25,9 @@ std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& mod
   // The preset whose input format the checkpoint's quant_algo names: only the input
   // quantizers are used, and only where the checkpoint has an input_scale.
   const std::string& algo = quantization->quant_algo;
-  QuantConfig config = QuantConfig::preset(algo == "FP8"     ? "fp8"
-                                           : algo == "NVFP4" ? "nvfp4"
-                                                             : "int8");
+  QuantConfig config = QuantConfig::preset(algo == "FP8" || algo == "W4A8_AWQ" ? "fp8"
+                                           : algo == "NVFP4"                   ? "nvfp4"
+                                                                               : "int8");
   if (quantization->kv_cache_quant_algo) add_kv_cache_rules(config, "fp8");
   auto quantizers = std::make_unique<ModelQuantizers>(model, config);
   const hf::SafetensorsCheckpoint checkpoint(dir);
@@ -35,21 +36,30 @@ std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& mod
     q->weight_quantizer->set_mode(TensorQuantizerImpl::Mode::disabled);
     TensorQuantizer& input = q->input_quantizer;
     input->set_mode(TensorQuantizerImpl::Mode::disabled);
-    // SmoothQuant (INT8_SMOOTHQUANT_CFG's export) and AWQ (W4A16_AWQ: o_proj and down_proj,
-    // the others folded into the norms): the input is multiplied by the pre_quant_scale first,
-    // as the smoothed or folded weights stored here expect, also where the input itself is not
-    // quantized (a disabled quantizer still applies it).
+    // SmoothQuant (INT8_SMOOTHQUANT_CFG's export) and AWQ (W4A16_AWQ, W4A8_AWQ: o_proj and
+    // down_proj, the others folded into the norms): the input is multiplied by the pre_quant_scale
+    // first, as the smoothed or folded weights stored here expect, also where the input itself is
+    // not quantized (a disabled quantizer still applies it).
     const std::string smoothing = q->name + ".pre_quant_scale";
     if (checkpoint.contains(smoothing) &&
         hf::detail::is_quantization_scale(checkpoint, smoothing)) {
-      const at::Tensor pre_quant_scale = checkpoint.tensor(smoothing);
-      if (pre_quant_scale.dim() != 1 || pre_quant_scale.size(0) != q->linear->weight.size(1)) {
+      at::Tensor pre_quant_scale = checkpoint.tensor(smoothing);
+      // A row-parallel Linear holds columns [offset, offset + length) of the whole weight: its
+      // input is those channels, scaled by that part of the pre_quant_scale.
+      hf::TensorParallelPlacement placement;
+      if (parallelism.tensor_parallel_split()) {
+        placement = parallelism.tensor_parallel->placement(q->name + ".weight");
+      }
+      const bool columns = placement.split == hf::TensorParallelPlacement::Split::kColumns;
+      const int64_t in_features = columns ? placement.full_shape.back() : q->linear->weight.size(1);
+      if (pre_quant_scale.dim() != 1 || pre_quant_scale.size(0) != in_features) {
         throw Error("mdist::quant: checkpoint '" + dir.string() + "': " + smoothing +
                     " has shape " + c10::str(pre_quant_scale.sizes()) +
-                    "; one value per input channel (" + std::to_string(q->linear->weight.size(1)) +
+                    "; one value per input channel (" + std::to_string(in_features) +
                     ") is read back");
       }
-      input->set_pre_quant_scale(pre_quant_scale.to(device));
+      if (columns) pre_quant_scale = pre_quant_scale.narrow(0, placement.offset, placement.length);
+      input->set_pre_quant_scale(pre_quant_scale.contiguous().to(device));
     }
     const std::string key = q->name + ".input_scale";
     if (!checkpoint.contains(key) || !hf::detail::is_quantization_scale(checkpoint, key)) continue;

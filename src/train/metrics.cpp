@@ -53,6 +53,10 @@ nlohmann::json step_metrics(const StepStats& stats, const StepMetricsFields& fie
     line["router_aux_loss_coef"] = fields.aux_loss_weight;
     if (fields.all_to_all_bytes) line["all_to_all_bytes"] = stats.all_to_all_bytes;
   }
+  if (fields.distillation) {
+    line["kd_loss"] = finite_or_null(stats.kd_loss);
+    line["cross_entropy"] = finite_or_null(stats.cross_entropy);
+  }
   if (fields.skipped) {
     line["skipped"] = stats.skipped;
     line["skipped_steps"] = skipped_steps;

@@ -153,6 +153,13 @@ Trainer::BatchTotals Trainer::run_batch(const Batch& batch, int step) {
     totals.loss_sum = plus(totals.loss_sum,
                            parts.loss.detach().to(at::kDouble) * static_cast<double>(parts.tokens));
     totals.tokens += parts.tokens;
+    if (parts.kd_loss.defined()) {
+      const double tokens = static_cast<double>(parts.tokens);
+      totals.kd_loss_sum =
+          plus(totals.kd_loss_sum, parts.kd_loss.detach().to(at::kDouble) * tokens);
+      totals.cross_entropy_sum =
+          plus(totals.cross_entropy_sum, parts.cross_entropy.detach().to(at::kDouble) * tokens);
+    }
     if (parts.aux_loss.defined()) {
       totals.aux_loss_sum = plus(totals.aux_loss_sum, parts.aux_loss.detach().to(at::kDouble));
     }
@@ -182,15 +189,21 @@ StepStats Trainer::step() {
   // ranks' means was. The loss and the global gradient norm are the same on every rank, so
   // every rank takes the same decision on a non-finite step.
   const bool moe = loss_->reports_aux_loss();
+  const bool distillation = loss_->reports_distillation();
   const auto reports = allgather(std::tuple{
       totals.loss_sum.item<double>(), totals.tokens, peak_rss_mib(),
       moe ? totals.aux_loss_sum.item<double>() / static_cast<double>(micro_batches()) : 0.0,
-      parallelism_.communication().all_to_all_bytes - sent_before});
+      parallelism_.communication().all_to_all_bytes - sent_before,
+      distillation ? totals.kd_loss_sum.item<double>() : 0.0,
+      distillation ? totals.cross_entropy_sum.item<double>() : 0.0});
   const int world = mdist::size();
   std::int64_t tokens = 0;
   for (const auto& report : reports) tokens += std::get<1>(report);
-  for (const auto& [rank_loss_sum, rank_tokens, peak, rank_aux, rank_sent] : reports) {
+  for (const auto& [rank_loss_sum, rank_tokens, peak, rank_aux, rank_sent, rank_kd, rank_ce] :
+       reports) {
     stats.loss += rank_loss_sum / static_cast<double>(tokens);
+    stats.kd_loss += rank_kd / static_cast<double>(tokens);
+    stats.cross_entropy += rank_ce / static_cast<double>(tokens);
     stats.aux_loss += rank_aux / world;
     stats.peak_rss_mib.push_back(peak);
     stats.all_to_all_bytes.push_back(rank_sent);

@@ -531,7 +531,11 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
        "--format nvfp4: model.layers.0.mlp.down_proj has in_features 40, which nvfp4 (e2m1, "
        "dynamic blocks of 16, e4m3 scales) does not divide into whole blocks of 16"},
       {base({"--format", "w4a8_awq", "--out", out.string()}),
-       "--format w4a8_awq is not implemented yet"},
+       "--format w4a8_awq: model.layers.0.self_attn.q_proj has in_features 32, which int4 "
+       "static blocks of 128 does not divide into whole blocks of 128"},
+      {std::vector<std::string>{"quantize", "--model", moe.string(), "--data", calib, "--seq-len",
+                                "16", "--format", "w4a8_awq", "--out", out.string()},
+       "--format w4a8_awq is not supported for a mixture of experts yet"},
       {base({"--format", "int4_awq", "--out", out.string()}),
        "--format int4_awq: model.layers.0.self_attn.q_proj has in_features 32, which int4 "
        "static blocks of 128 does not divide into whole blocks of 128"},
@@ -693,10 +697,123 @@ TEST_F(QuantizeCommand, Int4AwqMatchesModeloptAcrossLayouts) {
   }
 }
 
+// W4A8 AWQ (w4a8_awq) through the command, on the AWQ fixtures, as int4_awq above: the export
+// against modelopt's (packed bytes at most 0.1 % apart, every scale, folded norm,
+// pre_quant_scale, weight_scale_2 and input_scale within 1e-6 relative), the fake-quant loss
+// within 1e-6, data parallel 2 against one rank likewise, and `mdist eval` of the export: the
+// fixture's plain-torch read-back of modelopt's export (w4a8_awq.export_loss) and the same
+// number on modelopt's export as on mdist's.
+TEST_F(QuantizeCommand, W4a8AwqMatchesModeloptAcrossLayouts) {
+  for (const std::string arch : {"awq_llama", "awq_qwen3"}) {
+    SCOPED_TRACE(arch);
+    const fs::path one = quantize(arch, "w4a8_awq", 1);
+    const fs::path modelopt = fixture(arch) / "export_w4a8_awq";
+    const auto json = report(one);
+    EXPECT_EQ(json["quant_algo"], "W4A8_AWQ");
+    EXPECT_EQ(json["calibration"], "awq_lite");
+    const double after = json["loss_after"].get<double>();
+    EXPECT_LE(relative(after, expected(arch, "w4a8_awq.loss")), 1e-6);
+    compare_awq_exports(one, modelopt, arch + " w4a8_awq, 1 rank vs modelopt");
+    expect_same_quant_config(one, modelopt);
+
+    const fs::path dp = quantize(arch, "w4a8_awq", 2);
+    compare_awq_exports(dp, one, arch + " w4a8_awq, dp 2 vs 1 rank");
+    EXPECT_LE(relative(report(dp)["loss_after"].get<double>(), after), 1e-6);
+
+    const fs::path eval_data = tokens(arch, "eval_ids");
+    const auto mine = mdist(
+        1, {"eval", "--model", one.string(), "--data", eval_data.string(), "--seq-len", "16"});
+    ASSERT_EQ(mine.exit_code, 0) << describe(mine);
+    EXPECT_THAT(mine.err, Not(HasSubstr("ignoring")));
+    const auto theirs = mdist(
+        1, {"eval", "--model", modelopt.string(), "--data", eval_data.string(), "--seq-len", "16"});
+    ASSERT_EQ(theirs.exit_code, 0) << describe(theirs);
+    const double read_back = eval_loss(mine.out);
+    std::cout << "[ measured ] " << arch << " w4a8_awq: eval of the export " << read_back
+              << ", fake-quant loss " << after << ", gap " << relative(read_back, after)
+              << " relative; modelopt's export " << eval_loss(theirs.out) << std::endl;
+    EXPECT_LE(relative(read_back, eval_loss(theirs.out)), 1e-6);
+    EXPECT_LE(relative(read_back, expected(arch, "w4a8_awq.export_loss")), 1e-5);
+  }
+}
+
+// AWQ under tensor parallelism: int4_awq and w4a8_awq with --tp 2 against one rank on a seeded
+// Llama whose row-parallel shards hold whole blocks of 128 (hidden and intermediate 256; the
+// AWQ fixtures' o_proj shards of 64 are refused above). The split forward sums o_proj and
+// down_proj in another order, so the bound is the one of a layout that changes a summation
+// order: packed bytes at most 0.1 % apart, every other tensor within 1e-6 relative, the
+// quantized loss within 1e-6. `mdist eval --tp 2` of each export (o_proj's and down_proj's
+// pre_quant_scale cut to the shard's input channels) equals `mdist eval` on one rank (1e-6;
+// W4A8, whose activations are FP8, 1e-4: see below).
+TEST_F(QuantizeCommand, AwqTensorParallelGivesOneRanksExport) {
+  const auto config_dir = dir_ / "llama256-config";
+  fs::create_directories(config_dir);
+  std::ofstream(config_dir / "config.json")
+      << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+             "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64,
+             "attention_bias": true, "tie_word_embeddings": false})"
+      << "\n";
+  const fs::path model = dir_ / "llama256";
+  {
+    const auto r = run({MDIST_SAVE_FOR_TRANSFORMERS, config_dir.string(), model.string()});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+  }
+  const fs::path calib = tokens("awq_llama", "calib"), held_out = tokens("awq_llama", "eval_ids");
+  for (const std::string format : {"int4_awq", "w4a8_awq"}) {
+    SCOPED_TRACE(format);
+    const auto quantize_on = [&](int ranks, const std::vector<std::string>& more) {
+      const fs::path out = dir_ / ("llama256-" + format + "-" + std::to_string(ranks));
+      std::vector<std::string> args = {"quantize",
+                                       "--model",
+                                       model.string(),
+                                       "--format",
+                                       format,
+                                       "--data",
+                                       calib.string(),
+                                       "--eval-data",
+                                       held_out.string(),
+                                       "--seq-len",
+                                       "16",
+                                       "--calib-sequences",
+                                       "0",
+                                       "--out",
+                                       out.string()};
+      args.insert(args.end(), more.begin(), more.end());
+      const auto r = mdist(ranks, args);
+      EXPECT_EQ(r.exit_code, 0) << describe(r);
+      return out;
+    };
+    const fs::path one = quantize_on(1, {});
+    const fs::path tp = quantize_on(2, {"--tp", "2"});
+    compare_awq_exports(tp, one, "llama256 " + format + ", tp 2 vs 1 rank");
+    const double after = report(one)["loss_after"].get<double>();
+    const double after_tp = report(tp)["loss_after"].get<double>();
+    std::cout << "[ measured ] llama256 " << format << ": loss after, 1 rank " << after << ", tp 2 "
+              << after_tp << ", relative " << relative(after_tp, after) << std::endl;
+    EXPECT_LE(relative(after_tp, after), 1e-6);
+    EXPECT_GT(relative(after, report(one)["loss_before"].get<double>()), 1e-6);
+
+    const auto eval_one =
+        mdist(1, {"eval", "--model", one.string(), "--data", held_out.string(), "--seq-len", "16"});
+    ASSERT_EQ(eval_one.exit_code, 0) << describe(eval_one);
+    const auto eval_tp = mdist(2, {"eval", "--model", one.string(), "--data", held_out.string(),
+                                   "--seq-len", "16", "--tp", "2"});
+    ASSERT_EQ(eval_tp.exit_code, 0) << describe(eval_tp);
+    std::cout << "[ measured ] llama256 " << format << ": eval of the export, 1 rank "
+              << eval_loss(eval_one.out) << ", tp 2 " << eval_loss(eval_tp.out) << std::endl;
+    // W4A8 quantizes activations to FP8: the all-reduce of o_proj's and down_proj's partial
+    // sums moves an activation by its last bit, which can cross an E4M3 rounding boundary (one
+    // E4M3 step; measured 2.4e-5 here, 0 for the same export without its input scales).
+    EXPECT_LE(relative(eval_loss(eval_tp.out), eval_loss(eval_one.out)),
+              format == "w4a8_awq" ? 1e-4 : 1e-6);
+  }
+}
+
 // A checkpoint quantized in a format the loader does not read back (its weights packed, its
 // scales elsewhere) is refused naming it, never loaded as plain weights.
 TEST_F(QuantizeCommand, EvalRefusesQuantAlgosItCannotReadBack) {
-  for (const std::string algo : {"W4A8_AWQ"}) {
+  for (const std::string algo : {"W4A8_NVFP4_FP8", "MIXED_PRECISION"}) {
     const fs::path copy = dir_ / algo;
     fs::copy(fixture("llama") / "export_fp8", copy);
     auto config = json_file(copy / "config.json");

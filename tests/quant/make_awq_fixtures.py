@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Writes tests/quant/fixtures/awq_<arch>/: modelopt 0.47's AWQ-lite (mtq.INT4_AWQ_CFG) on a tiny
-Hugging Face model whose Linears all have in_features divisible by INT4's block of 128, the
-expected numbers of mdist::quant::quantize with format int4_awq (tests/quant/awq_test.cpp).
+"""Writes tests/quant/fixtures/awq_<arch>/: modelopt 0.47's AWQ-lite (mtq.INT4_AWQ_CFG and
+mtq.W4A8_AWQ_BETA_CFG) on a tiny Hugging Face model whose Linears all have in_features divisible
+by INT4's block of 128, the expected numbers of mdist::quant::quantize with formats int4_awq and
+w4a8_awq (tests/quant/awq_test.cpp). W4A8's weight quantizer is modelopt's SequentialQuantizer
+(INT4 blocks, then FP8 per tensor): its amaxes are stored as `weight_quantizer.0._amax` and
+`weight_quantizer.1._amax`, modelopt's state-dict keys.
 
   /work/venv-quant/bin/python tests/quant/make_awq_fixtures.py
 
@@ -37,7 +40,7 @@ ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(rope_theta=1000000.0, head_dim=32,
                                                   tie_word_embeddings=False)),
 }
-PRESETS = {"int4_awq": mtq.INT4_AWQ_CFG}
+PRESETS = {"int4_awq": mtq.INT4_AWQ_CFG, "w4a8_awq": mtq.W4A8_AWQ_BETA_CFG}
 BATCHES, ROWS, T = 3, 2, 16
 
 
@@ -72,23 +75,46 @@ def dequantized_int4(export, name):
     return codes * scale.repeat_interleave(codes.shape[1] // scale.shape[1], 1)
 
 
+def fake_e4m3(x, scale):
+    """FP8 E4M3 fake quant with amax = scale * 448 (fp32), modelopt's `_fp8_eager` arithmetic:
+    x * (448 / amax), clamped, cast to e4m3 (round half to even), back, times 1 / (448 / amax)."""
+    amax = scale.float().reshape(()) * 448.0
+    s = 448.0 / amax
+    y = (x.float() * s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * (1.0 / s)
+    return y.to(x.dtype)
+
+
 def export_loss(model, export_dir, eval_ids):
     """The held-out loss of the export read back in plain torch (no modelopt): the unquantized
     model with the export's dequantized weights and norms, and x * pre_quant_scale before the
-    Linears that keep one (what mdist eval of the export must give)."""
+    Linears that keep one (what mdist eval of the export must give). W4A8_AWQ: the INT4 weight
+    then fake-quantized to FP8 with weight_scale_2 (the second stage of the SequentialQuantizer),
+    the input (after its pre_quant_scale) to FP8 with input_scale."""
     export = load_file(str(export_dir / "model.safetensors"))
     readback = copy.deepcopy(model)
     state = {}
     for name, value in export.items():
-        if name.endswith(("weight_scale", "pre_quant_scale")):
+        if name.endswith(("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")):
             continue
-        state[name] = dequantized_int4(export, name) if value.dtype == torch.uint8 else value
+        if value.dtype == torch.uint8:
+            weight = dequantized_int4(export, name)
+            scale_2 = export.get(name[: -len("weight")] + "weight_scale_2")
+            state[name] = weight if scale_2 is None else fake_e4m3(weight, scale_2)
+        else:
+            state[name] = value
     readback.load_state_dict(state, strict=False)
     hooks = []
     for name, value in export.items():
-        if name.endswith(".pre_quant_scale"):
-            linear = readback.get_submodule(name[: -len(".pre_quant_scale")])
-            hooks.append(linear.register_forward_pre_hook(lambda m, a, s=value: (a[0] * s,)))
+        if name.endswith(".weight") and value.dtype == torch.uint8:
+            module = name[: -len(".weight")]
+            pre = export.get(module + ".pre_quant_scale")
+            input_scale = export.get(module + ".input_scale")
+
+            def hook(m, a, pre=pre, input_scale=input_scale):
+                x = a[0] if pre is None else a[0] * pre
+                return (x if input_scale is None else fake_e4m3(x, input_scale),)
+
+            hooks.append(readback.get_submodule(module).register_forward_pre_hook(hook))
     with torch.no_grad():
         loss = readback(input_ids=eval_ids, labels=eval_ids).loss.float()
     for hook in hooks:

@@ -7,11 +7,14 @@
 // [out, in / 16] per block of 16, 0-d fp32 weight_scale_2) and W4A16_AWQ (two int4 output rows
 // per uint8, fp32 weight_scale per row and block of 128 inputs; the AWQ pre_quant_scale of
 // o_proj / down_proj is applied by the quantization layer, q/k/v's and gate/up's are folded
-// into the norms' weights by the export).
+// into the norms' weights by the export) and W4A8_AWQ (W4A16_AWQ's weights and scales, plus a
+// 0-d fp32 weight_scale_2 of the second, FP8 weight stage and FP8 input scales).
 //
 // At this layer a quantized weight is read back dequantized: W = weight.float() * weight_scale
 // (per row for int8; E2M1 value * weight_scale.float() * weight_scale_2 per block for NVFP4, as
-// modelopt's NVFP4QTensor.dequantize), then converted to the model's dtype by the loader, as a
+// modelopt's NVFP4QTensor.dequantize; for W4A8_AWQ the int4 dequantization fake-quantized to
+// E4M3 with amax = weight_scale_2 * 448, the SequentialQuantizer's second stage in modelopt's
+// `_fp8_eager` arithmetic), then converted to the model's dtype by the loader, as a
 // serving engine that computes in the model's dtype does. A quantized Linear's `weight_scale`,
 // `weight_scale_2` and `input_scale` are no model parameters: the loaders skip them without
 // reporting them as unknown keys. Applying the input scales (fake-quantizing activations) is the
@@ -48,7 +51,8 @@ std::optional<CheckpointQuantization> checkpoint_quantization(const std::filesys
 // Whether this loader reads `q` (FP8 or W8A8_SQ_PER_CHANNEL, no KV-cache algorithm or FP8); the
 // quant_algo values it reads, for messages.
 bool is_readable(const CheckpointQuantization& q);
-inline constexpr const char* kReadableQuantAlgos = "FP8, W8A8_SQ_PER_CHANNEL, NVFP4, W4A16_AWQ";
+inline constexpr const char* kReadableQuantAlgos =
+    "FP8, W8A8_SQ_PER_CHANNEL, NVFP4, W4A16_AWQ, W4A8_AWQ";
 
 namespace detail {
 
@@ -56,12 +60,13 @@ namespace detail {
 // `<module>.weight_scale` beside it, or packed NVFP4 (is_nvfp4_weight).
 bool is_quantized_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name);
 // The dtype a quantized weight is stored in under a readable quant_algo (float8_e4m3fn, int8,
-// uint8 for NVFP4's and W4A16_AWQ's packed codes); Error for another quant_algo.
+// uint8 for NVFP4's, W4A16_AWQ's and W4A8_AWQ's packed codes); Error for another quant_algo.
 at::ScalarType stored_weight_dtype(const std::string& quant_algo);
-// `name` is an NVFP4 weight: uint8 [out, in / 2] with `weight_scale` and `weight_scale_2`.
-bool is_nvfp4_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name);
-// `name` is a W4A16_AWQ weight: uint8 [out / 2, in] with a `weight_scale` and no
+// `name` is an NVFP4 weight: uint8 [out, in / 2] with a float8_e4m3fn `weight_scale` and a
 // `weight_scale_2`.
+bool is_nvfp4_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name);
+// `name` is a W4A16_AWQ or W4A8_AWQ weight: uint8 [out / 2, in] with a `weight_scale` that is
+// not float8_e4m3fn (W4A8_AWQ's also has a `weight_scale_2`).
 bool is_int4_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name);
 // The shape of the model parameter `name` holds: the stored shape, or [out, in] for a packed
 // NVFP4 ([out, in / 2]) or INT4 ([out / 2, in]) weight.

@@ -39,12 +39,18 @@ struct QuantRule {
   // modelopt's `parent_class` (its QuantModuleRegistry names: "nn.Linear", "nn.Embedding",
   // "nn.BatchNorm1d", ...): the rule applies only to quantizers of modules of this class.
   std::optional<std::string> parent_class;
+  // modelopt's SequentialQuantizer (a `cfg` list of two attribute sets, W4A8_AWQ_BETA_CFG's
+  // weights): the tensor is quantized with `format`, then the result with this. Only read with
+  // a `format`.
+  std::optional<QuantFormat> second_format = std::nullopt;
 };
 
 // What the rules give one quantizer.
 struct ResolvedQuantizer {
   QuantFormat format;
   bool enabled;
+  // The second stage of a SequentialQuantizer (QuantRule::second_format).
+  std::optional<QuantFormat> second_format = std::nullopt;
 };
 
 struct QuantConfig {
@@ -52,8 +58,10 @@ struct QuantConfig {
   // "fp8" (FP8_DEFAULT_CFG), "int8" (INT8_DEFAULT_CFG), "int8_sq" (INT8_SMOOTHQUANT_CFG:
   // int8's quantizers, algorithm "smoothquant"), "nvfp4" (NVFP4_DEFAULT_CFG: E2M1 weights and
   // inputs in dynamic blocks of 16 with E4M3 block scales), "int4_awq" (INT4_AWQ_CFG: INT4
-  // weights in blocks of 128, inputs off, algorithm "awq_lite"). Throws InputError naming the
-  // known presets for any other name.
+  // weights in blocks of 128, inputs off, algorithm "awq_lite"), "w4a8_awq"
+  // (W4A8_AWQ_BETA_CFG: weights INT4 in blocks of 128 then FP8 per tensor, inputs FP8 per
+  // tensor, algorithm "awq_lite"). Throws InputError naming the known presets for any other
+  // name.
   static QuantConfig preset(std::string_view name);
   // The names preset() knows.
   static std::vector<std::string> preset_names();

@@ -52,11 +52,16 @@
 // group). A model wrapped by fully_shard runs the forward loop a second time for that. A
 // quantized Linear the loop never reached is an Error (modelopt leaves it unsmoothed).
 //
-// AWQ-lite (algorithm "awq_lite", modelopt's `awq_lite`, INT4_AWQ_CFG): the weight-only INT4
-// Linears get an input pre_quant_scale 1/s chosen by a search over alpha and their weights
+// AWQ-lite (algorithm "awq_lite", modelopt's `awq_lite`, INT4_AWQ_CFG and W4A8_AWQ_BETA_CFG):
+// the INT4 Linears get an input pre_quant_scale 1/s chosen by a search over alpha and their weights
 // folded as (W * s) in the weights' dtype (QuantizedLinear::smoothing), block amax taken from
 // the folded weight; see src/quant/awq.h for the arithmetic and the sync rules. A disabled input
-// quantizer still applies its pre_quant_scale, as modelopt's.
+// quantizer still applies its pre_quant_scale, as modelopt's. W4A8 (an FP8 input quantizer and a
+// second, FP8 weight stage): the search runs with the inputs unquantized and the weights INT4
+// only (modelopt's convert_to_single_quantizer); the input amax is max_c(max|x_c| * p_c), the
+// cache pass's per-channel maxima times the pre_quant_scale p, the second stage's amax max |W|
+// of the folded weight,
+// both MAX over the data- and tensor-parallel groups.
 //
 // Not covered (Errors, or documented in docs/quantization.md): a tied head whose quantizers the
 // configuration enables (the tied head is no Linear module in mdist), calibration algorithms
@@ -122,6 +127,11 @@ struct QuantizedLinear {
   std::shared_ptr<torch::nn::LinearImpl> linear;
   TensorQuantizer input_quantizer{nullptr};
   TensorQuantizer weight_quantizer{nullptr};
+  // modelopt's SequentialQuantizer (W4A8: INT4 blocks, then FP8 per tensor): the second stage,
+  // applied to weight_quantizer's output and calibrated on the same weight (its max |W|);
+  // null for a single quantizer. Named `weight_quantizer.1` then, weight_quantizer
+  // `weight_quantizer.0`, as modelopt's state dict names them.
+  TensorQuantizer weight_quantizer_2{nullptr};
   // The weight the Linear held before a quantized forward swapped in its fake-quantized copy.
   at::Tensor saved_weight;
 
@@ -166,7 +176,8 @@ class ModelQuantizers {
   // Per attention, in module order: the KV-cache quantizers.
   const std::vector<std::unique_ptr<QuantizedAttention>>& attentions() const { return attentions_; }
   // Every quantizer by its modelopt name ("<linear>.input_quantizer" / ".weight_quantizer",
-  // "<attention>.k_bmm_quantizer" / ".v_bmm_quantizer").
+  // W4A8's ".weight_quantizer.0" / ".weight_quantizer.1", "<attention>.k_bmm_quantizer" /
+  // ".v_bmm_quantizer").
   std::map<std::string, TensorQuantizer> quantizers() const;
   // "<quantizer name>._amax" -> amax, for every quantizer that has one (modelopt's keys).
   std::map<std::string, at::Tensor> amax_state_dict() const;

@@ -19,8 +19,9 @@
 // Linear: the input quantizer multiplies its input by it first, as modelopt's does. An INT4 AWQ
 // export (W4A16_AWQ: weight-only) has no input_scale; its o_proj and down_proj hold the AWQ
 // pre_quant_scale, applied the same way by their (disabled) input quantizers. Under
-// tensor parallelism a row-parallel Linear holds part of the input channels: a pre_quant_scale
-// there is refused (Error naming the sizes), not split.
+// tensor parallelism a row-parallel Linear (o_proj, down_proj) holds part of the input
+// channels: its pre_quant_scale is cut to this rank's columns (the weight's placement in
+// `parallelism`). W4A8_AWQ: W4A16_AWQ's pre_quant_scales and FP8 input scales.
 //
 // The fake-quant loss of the model quant::quantize returned and that of its export read back
 // differ by the export's rounding: the export divides W by the scale where fake quant
@@ -32,6 +33,7 @@
 #include <memory>
 
 #include "mdist/hf/causal_lm.h"
+#include "mdist/hf/parallelize.h"
 #include "mdist/quant/quantize.h"
 
 namespace mdist::quant {
@@ -40,10 +42,13 @@ namespace mdist::quant {
 // split alike: the input amax is one value per tensor), or null for a checkpoint without
 // quantization. A kv_cache_quant_algo FP8 also puts k/v quantizers (E4M3, amax = k_scale /
 // v_scale x 448, frozen) on every attention: keys and values fake-quantized in every forward,
-// generate's cache included. Throws Error for a quant_algo other than FP8,
-// W8A8_SQ_PER_CHANNEL, NVFP4 and W4A16_AWQ, for another KV-cache algorithm, for a missing k/v
-// scale and for a scale that is not one value. Not collective.
-std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(hf::CausalLM& model,
-                                                               const std::filesystem::path& dir);
+// generate's cache included. `parallelism`: how `model` is split (hf::apply_parallelism's
+// result; empty for an unsplit model). Throws Error for a quant_algo other than FP8,
+// W8A8_SQ_PER_CHANNEL, NVFP4, W4A16_AWQ and W4A8_AWQ, for another KV-cache algorithm, for a
+// missing k/v scale, for a scale that is not one value and for a pre_quant_scale that is not
+// one value per input channel of the whole Linear. Not collective.
+std::unique_ptr<ModelQuantizers> apply_checkpoint_quantization(
+    hf::CausalLM& model, const std::filesystem::path& dir,
+    const hf::Parallelism& parallelism = hf::Parallelism());
 
 }  // namespace mdist::quant

@@ -1,7 +1,7 @@
 #pragma once
 // The objective of a training step, as an object the trainer calls, so that a run chooses it:
-// CausalLmLoss today (transformers' causal-LM cross entropy plus a mixture of experts'
-// load-balancing loss), a distillation loss (a teacher's logits) next.
+// CausalLmLoss (transformers' causal-LM cross entropy plus a mixture of experts'
+// load-balancing loss) or DistillationLoss (a teacher's logits, distillation.h).
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -39,6 +39,10 @@ struct LossParts {
   at::Tensor loss;          // mean cross entropy over the predicted tokens (the reported "loss")
   std::int64_t tokens = 0;  // those predicted tokens: the weight of `loss` in the step's mean
   at::Tensor aux_loss;      // a mixture of experts' load-balancing loss, before its weight
+  // Distillation (distillation.h): the KD loss and the cross entropy, each a mean over the
+  // same predicted tokens (`loss` is then KD + W x cross entropy). Undefined otherwise.
+  at::Tensor kd_loss;
+  at::Tensor cross_entropy;
 };
 
 class LossFunction {
@@ -58,6 +62,8 @@ class LossFunction {
   virtual bool reports_aux_loss() const = 0;
   // The weight of aux_loss in the objective (0: measured, not trained on).
   virtual double aux_loss_weight() const = 0;
+  // Whether parts.kd_loss and parts.cross_entropy are set (distillation).
+  virtual bool reports_distillation() const { return false; }
 };
 
 // The weight of a mixture of experts' load-balancing loss for `config`: `requested` when given

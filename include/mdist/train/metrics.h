@@ -35,6 +35,7 @@ struct StepMetricsFields {
   double aux_loss_weight = 0;     // the weight in the objective (0: not in it)
   bool all_to_all_bytes = false;  // expert parallelism
   bool skipped = false;           // --skip-nonfinite-steps: skipped and skipped_steps
+  bool distillation = false;      // a teacher: kd_loss and cross_entropy (`loss` is KD + W x CE)
 };
 
 // A step's line: step, loss, lr, tokens_per_s, step_time_s, grad_norm, peak_rss_mib (per rank)

@@ -5,7 +5,8 @@
 // step() around it; so can any program that links the library be.
 //
 // Where the features that build on it go:
-//   - the objective is a LossFunction (loss.h): CausalLmLoss today, a distillation loss next;
+//   - the objective is a LossFunction (loss.h): CausalLmLoss, or DistillationLoss
+//     (distillation.h: a teacher model's logits);
 //   - micro-batches (gradient accumulation): step() splits the rank's batch into micro-batches
 //     of TrainerOptions::micro_batch sequences, runs forward and backward on each with the
 //     gradient sync of FSDP only on the last, then takes the one optimizer step
@@ -64,6 +65,10 @@ struct StepStats {
   int step = 0;
   double loss = 0;      // mean over the global batch (non-finite when it was)
   double aux_loss = 0;  // mean of the ranks' load-balancing losses (a mixture of experts)
+  // Distillation (LossFunction::reports_distillation): the KD loss and the cross entropy, each
+  // a mean over the global batch's predicted tokens as `loss` (which is KD + W x CE).
+  double kd_loss = 0;
+  double cross_entropy = 0;
   double grad_norm = 0;
   double lr = 0;
   double step_time_s = 0;
@@ -127,6 +132,9 @@ class Trainer {
     at::Tensor loss_sum;  // sum over micro-batches of mean loss x predicted tokens (fp64)
     std::int64_t tokens = 0;
     at::Tensor aux_loss_sum;  // sum over micro-batches of the load-balancing loss (fp64)
+    // Distillation: sums over micro-batches of mean x predicted tokens (fp64), as loss_sum.
+    at::Tensor kd_loss_sum;
+    at::Tensor cross_entropy_sum;
   };
   // Forward and backward over this rank's batch, micro-batch by micro-batch, FSDP's gradient
   // sync only on the last. Collective.
