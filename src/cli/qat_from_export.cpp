@@ -45,6 +45,11 @@ void check_qat_start_model(const TrainOptions& o, const ModelChoice& model) {
                      *q.kv_cache_quant_algo +
                      "); quantization-aware training continues weights and inputs only");
   }
+  if (!o.kv_cache.empty()) {
+    // The export has no k/v scales to take, and no calibration runs here to make them.
+    throw InputError("--kv-cache " + o.kv_cache + " does not apply to " + where +
+                     ": continuing an export quantizes weights and inputs only");
+  }
   if (has_pre_quant_scale(*model.dir)) {
     throw InputError(where +
                      " holds SmoothQuant's pre_quant_scale (an int8_sq export); --quant int8 "

@@ -245,6 +245,7 @@ TrainInputs check_inputs(const TrainOptions& o) {
           "--quant: quantization-aware training of a mixture of experts is not "
           "supported yet");
     }
+    if (!o.quant.empty()) check_qat_model(o, in.model.config);
     if (o.distill.teacher) {
       in.teacher = check_teacher(o.distill, in.model, o.io.tensor_parallel);
     }
@@ -473,8 +474,9 @@ int run_train(const TrainOptions& o) {
     quantizers =
         start_quantization_aware_training(o, built.model, built.parallelism, layout, calibration);
     qat_line = "mdist train: quantization-aware training, --quant " + o.quant + " (" +
-               qat_config(o).name + " preset, max calibration on the first " +
-               std::to_string(calibration.sequences) + " sequences of " + calibration.description +
+               qat_config(o).name + " preset, " + qat_calibration_method(o) +
+               " calibration on the first " + std::to_string(calibration.sequences) +
+               " sequences of " + calibration.description +
                ", amax frozen from step 1), backward " + o.quant_backward;
   }
   const double aux_weight = train::aux_loss_weight(built.model->config, o.router_aux_loss_coef);

@@ -49,7 +49,8 @@ struct TrainOptions {
   std::string activation_checkpointing = "none";
   std::optional<std::int64_t> ac_every;
   std::string resume_flag;  // --resume as given ("" when absent); sets `resume` after parsing
-  // Quantization-aware training (docs/quantization.md): --quant fp8|int8 ("" : off), calibrated
+  // Quantization-aware training (docs/quantization.md): --quant fp8|int8|int4_awq|nvfp4
+  // ("" : off), with --kv-cache fp8 the attention's keys and values too, calibrated
   // once before step 1 on --calib-sequences windows (0: all) of --calib-data (default: the
   // training data's first windows in file order); --quant-backward: modelopt's
   // pass_through_bwd (pass-through, its default) or the clipped STE. A resumed QAT run takes its
@@ -58,6 +59,7 @@ struct TrainOptions {
   std::int64_t calib_sequences = 64;
   std::optional<std::filesystem::path> calib_data;
   std::string quant_backward = "pass-through";
+  std::string kv_cache;  // --kv-cache ("": keys and values unquantized)
   // --export-quantized DIR: with --quant, the unified HF checkpoint of the trained model and its
   // frozen quantizers written after the last step (src/cli/qat_export.h).
   std::optional<std::filesystem::path> export_quantized;

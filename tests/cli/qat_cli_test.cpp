@@ -1,13 +1,17 @@
 // `mdist train --quant` (quantization-aware training) end to end through mdistrun, against
-// modelopt 0.47's QAT on the fixture of tests/quant/make_qat_fixtures.py: mtq.quantize with
-// FP8_DEFAULT_CFG / INT8_DEFAULT_CFG (max calibration on the training data's first 6 windows,
-// one per forward), then 5 steps of a plain torch AdamW loop with mdist train's schedule,
-// clipping and data order, on the tiny fp32 Llama of fixtures/ptq_llama (biases, tied head).
-//  - the 5 losses (1e-5 relative) and every parameter after the last step (1e-5) on 1 and 2
-//    data-parallel ranks (FSDP2: the weight quantizer sees the gathered weight) and tp 2;
+// modelopt 0.47's QAT on the fixtures of tests/quant/make_qat_fixtures.py: mtq.quantize with
+// FP8_DEFAULT_CFG / INT8_DEFAULT_CFG / INT4_AWQ_CFG / NVFP4_DEFAULT_CFG (+ FP8_KV_CFG) on the
+// training data's first 6 windows, one per forward, then 5 steps of a plain torch AdamW loop
+// with mdist train's schedule, clipping and data order, on the tiny fp32 Llama of
+// fixtures/ptq_llama (biases, tied head), the Qwen3 of fixtures/ptq_qwen3 (GQA, q/k norms) and,
+// for INT4's blocks of 128, the Llama of fixtures/awq_llama. NVFP4's reference forward is
+// tests/quant/nvfp4_kernel_reference.py (modelopt's kernel is CUDA only).
+//  - the 5 losses (1e-5 relative), every parameter after the last step (1e-5) and the frozen
+//    quantizer state (amax, AWQ's pre_quant_scale) on 1, 2 and 4 data-parallel ranks (FSDP2:
+//    the weight quantizer sees the gathered weight), tp 2 and tp 2 x dp 2;
 //  - modelopt's default pass-through backward and the clipped STE (--quant-backward clipped);
 //  - --resume in the middle of QAT (the checkpoint's quantizers, no calibration) equal to the
-//    uninterrupted run on 1 rank, 2 ranks and tp 2 (1e-6);
+//    uninterrupted run on 1 rank, 2 ranks and tp 2 (1e-6), int4_awq's pre_quant_scale included;
 //  - the run's metadata names the format; bad input: one line, exit 2, nothing written.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -28,16 +32,43 @@ namespace {
 
 using ::testing::HasSubstr;
 
-const fs::path kModel = fs::path(MDIST_QUANT_FIXTURES) / "ptq_llama";
-const fs::path kExpected = fs::path(MDIST_QUANT_FIXTURES) / "qat_llama" / "expected.safetensors";
+const fs::path kFixtures = fs::path(MDIST_QUANT_FIXTURES);
+const fs::path kModel = kFixtures / "ptq_llama";
+
+// A model and modelopt's QAT runs of it (make_qat_fixtures.py's OUTPUTS).
+struct QatFixture {
+  fs::path model;
+  fs::path expected;
+};
+const QatFixture kLlama{kModel, kFixtures / "qat_llama" / "expected.safetensors"};
+const QatFixture kLlamaFormats{kModel, kFixtures / "qat_llama" / "expected_formats.safetensors"};
+const QatFixture kQwen3{kFixtures / "ptq_qwen3", kFixtures / "qat_qwen3" / "expected.safetensors"};
+const QatFixture kAwqLlama{kFixtures / "awq_llama",
+                           kFixtures / "qat_awq_llama" / "expected.safetensors"};
+
+// A fixture case "<format>[_kv][_clipped]" as mdist train's flags.
+std::vector<std::string> case_flags(const std::string& name) {
+  std::string format;
+  for (const std::string f : {"int4_awq", "nvfp4", "fp8", "int8"}) {
+    if (name.starts_with(f)) {
+      format = f;
+      break;
+    }
+  }
+  std::vector<std::string> flags = {"--quant", format, "--calib-sequences", "6"};
+  if (name.find("_kv") != std::string::npos) flags.insert(flags.end(), {"--kv-cache", "fp8"});
+  if (name.ends_with("_clipped")) flags.insert(flags.end(), {"--quant-backward", "clipped"});
+  return flags;
+}
 
 class QatCommand : public MdistCommand {
  protected:
   // The fixture's training windows as a .u32 token file, in file order.
-  fs::path train_data() {
-    const fs::path path = dir_ / "train.u32";
+  fs::path train_data(const QatFixture& fixture = kLlama) {
+    const fs::path path =
+        dir_ / ("train-" + fixture.expected.parent_path().filename().string() + ".u32");
     if (fs::exists(path)) return path;
-    const hf::SafetensorsFile file(kExpected);
+    const hf::SafetensorsFile file(fixture.expected);
     const at::Tensor ids = file.tensor("train_ids").to(at::kInt).contiguous().flatten();
     std::ofstream out(path, std::ios::binary);
     out.write(reinterpret_cast<const char*>(ids.data_ptr<int32_t>()),
@@ -46,12 +77,13 @@ class QatCommand : public MdistCommand {
   }
 
   // The fixture's flags (make_qat_fixtures.py's constants), then `more`.
-  std::vector<std::string> qat_args(const fs::path& out, const std::vector<std::string>& more) {
+  std::vector<std::string> qat_args(const fs::path& out, const std::vector<std::string>& more,
+                                    const QatFixture& fixture = kLlama) {
     return with({"train",
                  "--model",
-                 kModel.string(),
+                 fixture.model.string(),
                  "--data",
-                 train_data().string(),
+                 train_data(fixture).string(),
                  "--seq-len",
                  "16",
                  "--global-batch",
@@ -82,21 +114,23 @@ class QatCommand : public MdistCommand {
     return args;
   }
 
-  // Runs the case ("fp8", "int8_clipped", ...) on `ranks` and compares with modelopt's run.
+  // Runs the case ("fp8", "int8_clipped", "int4_awq", "fp8_kv", ...) of `fixture` on `ranks`
+  // and compares with modelopt's run.
   void expect_matches_modelopt(const std::string& name, int ranks,
-                               const std::vector<std::string>& more = {}) {
-    const std::string format = name.substr(0, name.find('_'));
+                               const std::vector<std::string>& more = {},
+                               const QatFixture& fixture = kLlama, double weight_bound = 1e-5) {
+    std::vector<std::string> flags = case_flags(name);
+    const std::string format = flags[1];
     const bool clipped = name.ends_with("_clipped");
     const fs::path out =
-        dir_ / (name + "-" + std::to_string(ranks) + "-" + (more.empty() ? "dp" : more.back()));
-    std::vector<std::string> flags = {"--quant", format, "--calib-sequences", "6"};
-    if (clipped) flags.insert(flags.end(), {"--quant-backward", "clipped"});
+        dir_ / (fixture.expected.parent_path().filename().string() + "-" + name + "-" +
+                std::to_string(ranks) + "-" + (more.empty() ? "dp" : more.back()));
     flags.insert(flags.end(), more.begin(), more.end());
-    const auto r = mdist(ranks, qat_args(out, flags));
+    const auto r = mdist(ranks, qat_args(out, flags, fixture));
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     EXPECT_THAT(r.out, HasSubstr("mdist train: quantization-aware training, --quant " + format));
 
-    const hf::SafetensorsFile expected(kExpected);
+    const hf::SafetensorsFile expected(fixture.expected);
     const at::Tensor losses = expected.tensor(name + ".losses");
     const auto steps = metrics(out);
     ASSERT_EQ(static_cast<int64_t>(steps.size()), losses.numel());
@@ -111,8 +145,35 @@ class QatCommand : public MdistCommand {
     const hf::SafetensorsFile trained(out / "checkpoints" / "step-00000005" / "model.safetensors");
     double worst_weight = 0;
     int compared = 0;
+    // The frozen quantizer state against modelopt's (amax, AWQ's pre_quant_scale).
+    const hf::SafetensorsFile state_file(out / "checkpoints" / "step-00000005" /
+                                         "qat_quantizers.safetensors");
+    double worst_state = 0;
+    int states = 0;
     for (const auto& key : expected.names()) {
-      if (!key.starts_with(name + ".") || key.ends_with("._amax") || key.ends_with(".losses"))
+      if (!key.starts_with(name + ".") ||
+          !(key.ends_with("._amax") || key.ends_with("._pre_quant_scale")))
+        continue;
+      const std::string quantizer = key.substr(name.size() + 1);
+      if (!state_file.contains(quantizer)) {
+        ADD_FAILURE() << quantizer << " missing from qat_quantizers.safetensors";
+        continue;
+      }
+      const at::Tensor want = expected.tensor(key).to(at::kDouble);
+      const at::Tensor got = state_file.tensor(quantizer).to(at::kDouble);
+      ASSERT_EQ(got.numel(), want.numel()) << quantizer;
+      worst_state = std::max(worst_state, ((got.flatten() - want.flatten()).abs() /
+                                           want.flatten().abs().clamp_min(1e-30))
+                                              .max()
+                                              .item<double>());
+      ++states;
+    }
+    EXPECT_GT(states, 4);
+    EXPECT_LE(worst_state, 1e-5);
+
+    for (const auto& key : expected.names()) {
+      if (!key.starts_with(name + ".") || key.ends_with("._amax") ||
+          key.ends_with("._pre_quant_scale") || key.ends_with(".losses"))
         continue;
       const std::string param = key.substr(name.size() + 1);
       if (!trained.contains(param)) {
@@ -126,16 +187,65 @@ class QatCommand : public MdistCommand {
       ++compared;
     }
     EXPECT_GT(compared, 10);
-    EXPECT_LE(worst_weight, 1e-5);
-    std::cout << "[ measured ] " << name << " on " << ranks << " rank(s)"
+    EXPECT_LE(worst_weight, weight_bound);
+    std::cout << "[ measured ] " << fixture.expected.parent_path().filename().string() << " "
+              << name << " on " << ranks << " rank(s)"
               << (more.empty() ? "" : " " + more.front() + " " + more.back()) << ": losses within "
-              << worst_loss << " relative, weights within " << worst_weight << " of modelopt's QAT"
+              << worst_loss << " relative, weights within " << worst_weight
+              << ", quantizer state within " << worst_state << " relative of modelopt's QAT"
               << std::endl;
 
     // The run's metadata names the quantization (what --resume compares).
     const std::string state = read(out / "checkpoints" / "step-00000005" / "trainer_state.json");
     EXPECT_THAT(state, HasSubstr("\"quant\": \"" + format + " (backward " +
                                  (clipped ? "clipped" : "pass-through")));
+  }
+  // Runs `flags` (saving every 2 steps) into `whole`, then the same run cut after its step-2
+  // checkpoint and resumed on each (ranks, tp) of `layouts`: the losses and final weights of
+  // the uninterrupted run (1e-6).
+  void expect_resume_continues(const fs::path& whole, const std::vector<std::string>& flags,
+                               const QatFixture& fixture,
+                               const std::vector<std::pair<int, int>>& layouts) {
+    {
+      const auto r = mdist(1, qat_args(whole, flags, fixture));
+      ASSERT_EQ(r.exit_code, 0) << describe(r);
+    }
+    ASSERT_TRUE(fs::exists(whole / "checkpoints" / "step-00000002" / "qat_quantizers.safetensors"));
+    for (const auto& [ranks, tp] : layouts) {
+      SCOPED_TRACE(std::to_string(ranks) + " rank(s), tp " + std::to_string(tp) + " resumed");
+      // The same run stopped after its step-2 checkpoint.
+      const fs::path cut = dir_ / (whole.filename().string() + "-cut" + std::to_string(ranks) +
+                                   "-tp" + std::to_string(tp));
+      fs::copy(whole, cut, fs::copy_options::recursive);
+      fs::remove_all(cut / "checkpoints" / "step-00000004");
+      fs::remove_all(cut / "checkpoints" / "step-00000005");
+      std::ofstream(cut / "checkpoints" / "latest") << "step-00000002\n";
+      // A calibration here would see other weights: the resumed run must not calibrate.
+      const auto r =
+          mdist(ranks, without_model(qat_args(
+                           cut, with(flags, {"--resume", "--tp", std::to_string(tp)}), fixture)));
+      ASSERT_EQ(r.exit_code, 0) << describe(r);
+      EXPECT_THAT(r.out, HasSubstr("the quantizers of " +
+                                   (cut / "checkpoints" / "step-00000002").string()));
+      const auto expected = metrics(whole), resumed = metrics(cut);
+      ASSERT_EQ(resumed.size(), expected.size());
+      for (std::size_t i = 0; i < expected.size(); ++i) {
+        const double want = expected[i]["loss"].get<double>();
+        EXPECT_LE(std::abs(resumed[i]["loss"].get<double>() - want), 1e-6 * std::abs(want))
+            << "step " << i + 1;
+      }
+      const hf::SafetensorsFile a(whole / "checkpoints" / "step-00000005" / "model.safetensors");
+      const hf::SafetensorsFile b(cut / "checkpoints" / "step-00000005" / "model.safetensors");
+      ASSERT_EQ(a.names(), b.names());
+      double worst = 0;
+      for (const auto& name : a.names()) {
+        worst = std::max(worst, (a.tensor(name) - b.tensor(name)).abs().max().item<double>());
+      }
+      EXPECT_LE(worst, 1e-6);
+      std::cout << "[ measured ] " << flags[1] << " resumed at step 2 on " << ranks
+                << " rank(s), tp " << tp << ": weights within " << worst
+                << " of the uninterrupted run" << std::endl;
+    }
   }
 };
 
@@ -162,50 +272,48 @@ TEST_F(QatCommand, TensorParallelMatchesModelopt) {
   }
 }
 
+// Qwen3 (GQA, q/k norms, an untied unquantized lm_head) on 1 rank, FSDP2 over 4 ranks and
+// tp 2 x dp 2. fp8 under tp is not here: on this model mdist's tp forward lands one fp8 rounding
+// elsewhere (the loss 1.1e-4 relative apart from step 1; `mdist quantize --tp 2` shows the same
+// on its held-out loss), see docs/quantization.md.
+TEST_F(QatCommand, Qwen3MatchesModelopt) {
+  for (const std::string name : {"fp8", "int8"}) {
+    SCOPED_TRACE(name);
+    expect_matches_modelopt(name, 1, {}, kQwen3);
+  }
+  expect_matches_modelopt("fp8", 4, {}, kQwen3);
+  // Under tp the row-parallel layers' inputs are summed over the shards in another order: their
+  // input amax comes out within 3.8e-7 relative of modelopt's, the losses within 1.3e-7, and
+  // after 5 AdamW steps (whose first updates are ~lr whatever a gradient's size) the weights
+  // within 1.5e-5 (measured): checked at 1e-4.
+  expect_matches_modelopt("int8", 4, {"--tp", "2"}, kQwen3, 1e-4);
+}
+
+// NVFP4 (global amax calibrated, E2M1 blocks of 16 scaled per forward) and INT4 AWQ (AWQ-lite's
+// pre_quant_scale, its scale folded into the trained weights, static blocks of 128) on 1 rank
+// and FSDP2 over 2; FP8 with the FP8 KV cache on 1 rank.
+TEST_F(QatCommand, BlockFormatsAndKvCacheMatchModelopt) {
+  for (const int ranks : {1, 2}) {
+    SCOPED_TRACE(std::to_string(ranks) + " rank(s)");
+    expect_matches_modelopt("nvfp4", ranks, {}, kLlamaFormats);
+  }
+  expect_matches_modelopt("int4_awq", 1, {}, kAwqLlama);
+  // On 2 ranks AWQ-lite's activation statistics are summed per rank, then over the ranks, in
+  // another order than modelopt's one process: pre_quant_scale and block amax come out within
+  // 2.6e-7 relative of modelopt's (checked at 1e-5 above), not bit-equal. The 5 steps keep the
+  // losses within 1e-7, but a handful of weight elements (at most 6 of a matrix's 32768 above
+  // 1e-6) end up to 3.8e-5 apart (measured), so the weights are checked at 1e-4 here.
+  expect_matches_modelopt("int4_awq", 2, {}, kAwqLlama, 1e-4);
+  expect_matches_modelopt("fp8_kv", 1, {}, kLlamaFormats);
+}
+
 // Resumed in the middle of QAT (the quantizers from the checkpoint, no calibration): the
 // losses and weights of the uninterrupted run, on the same layout and on another one.
 TEST_F(QatCommand, ResumeContinuesTheUninterruptedRun) {
   const std::vector<std::string> flags = {
       "--quant", "int8", "--calib-sequences", "6", "--save-every", "2", "--keep", "5"};
   const fs::path whole = dir_ / "whole";
-  {
-    const auto r = mdist(1, qat_args(whole, flags));
-    ASSERT_EQ(r.exit_code, 0) << describe(r);
-  }
-  ASSERT_TRUE(fs::exists(whole / "checkpoints" / "step-00000002" / "qat_quantizers.safetensors"));
-  for (const auto& [ranks, tp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
-    SCOPED_TRACE(std::to_string(ranks) + " rank(s), tp " + std::to_string(tp) + " resumed");
-    // The same run stopped after its step-2 checkpoint.
-    const fs::path cut = dir_ / ("cut" + std::to_string(ranks) + "-tp" + std::to_string(tp));
-    fs::copy(whole, cut, fs::copy_options::recursive);
-    fs::remove_all(cut / "checkpoints" / "step-00000004");
-    fs::remove_all(cut / "checkpoints" / "step-00000005");
-    std::ofstream(cut / "checkpoints" / "latest") << "step-00000002\n";
-    // A calibration here would see other weights: the resumed run must not calibrate.
-    const auto r = mdist(
-        ranks, without_model(qat_args(cut, with(flags, {"--resume", "--tp", std::to_string(tp)}))));
-    ASSERT_EQ(r.exit_code, 0) << describe(r);
-    EXPECT_THAT(r.out,
-                HasSubstr("the quantizers of " + (cut / "checkpoints" / "step-00000002").string()));
-    const auto expected = metrics(whole), resumed = metrics(cut);
-    ASSERT_EQ(resumed.size(), expected.size());
-    for (std::size_t i = 0; i < expected.size(); ++i) {
-      const double want = expected[i]["loss"].get<double>();
-      EXPECT_LE(std::abs(resumed[i]["loss"].get<double>() - want), 1e-6 * std::abs(want))
-          << "step " << i + 1;
-    }
-    const hf::SafetensorsFile a(whole / "checkpoints" / "step-00000005" / "model.safetensors");
-    const hf::SafetensorsFile b(cut / "checkpoints" / "step-00000005" / "model.safetensors");
-    ASSERT_EQ(a.names(), b.names());
-    double worst = 0;
-    for (const auto& name : a.names()) {
-      worst = std::max(worst, (a.tensor(name) - b.tensor(name)).abs().max().item<double>());
-    }
-    EXPECT_LE(worst, 1e-6);
-    std::cout << "[ measured ] resumed at step 2 on " << ranks << " rank(s), tp " << tp
-              << ": weights within " << worst << " of the uninterrupted run" << std::endl;
-  }
-
+  expect_resume_continues(whole, flags, kLlama, {{1, 1}, {2, 1}, {2, 2}});
   // A QAT checkpoint without its quantizers: refused, nothing written.
   const fs::path broken = dir_ / "broken";
   fs::copy(whole, broken, fs::copy_options::recursive);
@@ -219,6 +327,15 @@ TEST_F(QatCommand, ResumeContinuesTheUninterruptedRun) {
       << describe(r);
   EXPECT_EQ(error_lines(r.err), 1) << r.err;
   EXPECT_EQ(tree(broken), before);
+}
+
+// The block formats resumed: int4_awq's pre_quant_scale and block amax from the checkpoint
+// (its weights already folded) on 1 and 2 ranks; nvfp4's global amax on tp 2.
+TEST_F(QatCommand, BlockFormatsResumeTheUninterruptedRun) {
+  const std::vector<std::string> save = {"--save-every", "2", "--keep", "5"};
+  expect_resume_continues(dir_ / "awq", with(case_flags("int4_awq"), save), kAwqLlama,
+                          {{1, 1}, {2, 1}});
+  expect_resume_continues(dir_ / "nvfp4", with(case_flags("nvfp4"), save), kLlamaFormats, {{2, 2}});
 }
 
 TEST_F(QatCommand, BadInputIsOneLineAndWritesNothing) {
@@ -237,7 +354,20 @@ TEST_F(QatCommand, BadInputIsOneLineAndWritesNothing) {
   };
   const std::vector<Case> cases = {
       {1, qat_args(out, {"--quant", "fp4"}), "unknown --quant 'fp4'"},
-      {1, qat_args(out, {"--quant", "nvfp4"}), "--quant nvfp4 is not supported by train yet"},
+      {1, qat_args(out, {"--quant", "w4a8_awq"}), "--quant w4a8_awq is not supported by train yet"},
+      // Shapes the block formats do not allow (whole blocks of 128 / 16 along in_features).
+      {1, qat_args(out, {"--quant", "int4_awq"}),
+       "--quant int4_awq: model.layers.0.self_attn.q_proj has in_features 32"},
+      {2, qat_args(out, {"--quant", "int4_awq", "--tp", "2"}, kAwqLlama),
+       "--quant int4_awq with --tp 2: quantization-aware training of int4_awq does not support "
+       "tensor parallelism yet"},
+      {1, qat_args(out, {"--quant", "fp8", "--kv-cache", "fp4"}), "unknown --kv-cache 'fp4'"},
+      {1,
+       qat_args(out, {"--quant", "fp8", "--kv-cache", "fp8"},
+                QatFixture{kFixtures / "ptq_llama" / "export_fp8", kLlama.expected}),
+       "--kv-cache fp8 does not apply to --model"},
+      {1, qat_args(out, {"--kv-cache", "fp8"}),
+       "--kv-cache applies to quantization-aware training only"},
       {1, qat_args(out, {"--quant", "int8_sq"}), "--quant int8_sq is not supported by train yet"},
       {1, qat_args(out, {"--quant", "fp8", "--quant-backward", "ste"}),
        "--quant-backward must be pass-through or clipped, got 'ste'"},

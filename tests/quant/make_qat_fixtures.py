@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Writes tests/quant/fixtures/qat_llama/expected.safetensors: modelopt 0.47's quantization-aware
-training (QAT) of the tiny Llama of fixtures/ptq_llama (fp32, biases, tied head), the expected
-numbers of `mdist train --quant` (tests/cli/qat_cli_test.cpp).
+"""Writes tests/quant/fixtures/qat_*/expected*.safetensors: modelopt 0.47's quantization-aware
+training (QAT) of the tiny models of fixtures/ptq_llama (fp32, biases, tied head), ptq_qwen3
+(GQA, q/k norms, untied head) and awq_llama (hidden 128, for INT4's blocks of 128), the expected
+numbers of `mdist train --quant` (tests/cli/qat_cli_test.cpp); see OUTPUTS for which cases go
+where. NVFP4's forward runs on nvfp4_kernel_reference.py (modelopt's kernel is CUDA only).
 
 The environment (modelopt is never a run-time dependency of mdist): see make_fixtures.py.
-  /work/venv-quant/bin/python tests/quant/make_qat_fixtures.py
+  /work/venv-quant/bin/python tests/quant/make_qat_fixtures.py [qat_llama qat_qwen3 ...]
 
 The recipe is modelopt's examples/llm_qat reduced to a plain loop (its simple_qat_train.py):
   mtq.quantize(model, CFG, calibration loop)   # insert quantizers, max calibration, amax frozen
@@ -22,22 +24,35 @@ sequences k = (s-1)*B .. s*B-1 of the run, window order[k] of mdist's seeded epo
 (src/cli/token_data.cpp: Fisher-Yates driven by std::mt19937_64 seeded with
 seed * 0x9E3779B97F4A7C15 + epoch, reproduced here).
 
-Per case "<format>" (FP8_DEFAULT_CFG, INT8_DEFAULT_CFG; modelopt's default pass_through_bwd) and
+Per case "<format>" (FP8_DEFAULT_CFG, INT8_DEFAULT_CFG, INT4_AWQ_CFG, NVFP4_DEFAULT_CFG;
+modelopt's default pass_through_bwd), "<format>_kv" (FP8_KV_CFG merged in) and
 "<format>_clipped" (the same config with pass_through_bwd False: the clipped STE):
   <case>.losses     f64 [STEPS]: each step's loss (before its update)
   <case>.<param>    f32: every parameter after the last step, HF names (tied head once)
   <case>.<quantizer>._amax   the calibrated amax (frozen through training)
+  <case>.<quantizer>._pre_quant_scale   AWQ's input scale (its 1/s folded into the weight
+                                        before training, as modelopt folds it)
 """
 
 import copy
 import math
 import pathlib
+import sys
 
 import torch
 import transformers
 from safetensors.torch import save_file
 
 import modelopt.torch.quantization as mtq
+from modelopt.torch.quantization import tensor_quant
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from nvfp4_kernel_reference import fp4_kernel_reference  # noqa: E402
+
+# NVFP4's fake quant has only a CUDA kernel in modelopt: its forward runs on the pure-torch copy
+# of that kernel's math (as make_ptq_fixtures.py); the backward stays modelopt's own STE
+# (DynamicBlockQuantizationFunction calls the op inside its autograd forward).
+tensor_quant.dynamic_block_quantize_op = fp4_kernel_reference
 
 HERE = pathlib.Path(__file__).resolve().parent / "fixtures"
 MODEL = HERE / "ptq_llama"
@@ -118,8 +133,17 @@ def lr_at(step):
     return min_lr + (LR - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+PRESETS = {"fp8": mtq.FP8_DEFAULT_CFG, "int8": mtq.INT8_DEFAULT_CFG,
+           "int4_awq": mtq.INT4_AWQ_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}
+
+
 def config_for(case):
-    cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG if case.startswith("fp8") else mtq.INT8_DEFAULT_CFG)
+    """"<preset>[_kv][_clipped]": the preset, FP8_KV_CFG merged in as hf_ptq.py does (_kv), the
+    clipped STE (_clipped)."""
+    preset = next(p for p in sorted(PRESETS, key=len, reverse=True) if case.startswith(p))
+    cfg = copy.deepcopy(PRESETS[preset])
+    if "_kv" in case:
+        cfg = mtq.utils.update_quant_cfg_with_kv_cache_quant(cfg, mtq.FP8_KV_CFG["quant_cfg"])
     if case.endswith("_clipped"):
         for rule in cfg["quant_cfg"]:
             if "cfg" in rule:
@@ -127,8 +151,8 @@ def config_for(case):
     return cfg
 
 
-def run(case, train_ids):
-    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+def run(case, train_ids, model_dir=MODEL):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     calib = [train_ids[i : i + 1] for i in range(CALIB)]
 
@@ -138,7 +162,9 @@ def run(case, train_ids):
                 m(input_ids=ids)
 
     mtq.quantize(model, config_for(case), loop)
-    amax = {k: v.detach().clone() for k, v in model.state_dict().items() if k.endswith("._amax")}
+    # The quantizers' state: amax, and AWQ's pre_quant_scale (its weights are folded already).
+    amax = {k: v.detach().clone() for k, v in model.state_dict().items()
+            if k.endswith("._amax") or k.endswith("._pre_quant_scale")}
     params = [(n, p) for n, p in model.named_parameters()]
     matrices = [p for _, p in params if p.dim() >= 2]
     vectors = [p for _, p in params if p.dim() < 2]
@@ -161,28 +187,44 @@ def run(case, train_ids):
     after = {n: p.detach().clone().contiguous() for n, p in params}
     # The amax stays frozen through training (modelopt's QAT): checked, not assumed.
     for k, v in model.state_dict().items():
-        if k.endswith("._amax"):
+        if k in amax:
             assert torch.equal(v, amax[k]), k
     return losses, after, amax
 
 
+# (model, output file, cases): every file has the same layout and its own train_ids.
+OUTPUTS = [
+    (MODEL, OUT / "expected.safetensors", ("fp8", "int8", "fp8_clipped", "int8_clipped")),
+    # NVFP4 (global amax calibrated, dynamic E2M1 blocks of 16) and FP8 with the FP8 KV cache.
+    (MODEL, OUT / "expected_formats.safetensors", ("nvfp4", "fp8_kv")),
+    # Qwen3: GQA, q/k norms, an untied (unquantized) lm_head.
+    (HERE / "ptq_qwen3", HERE / "qat_qwen3" / "expected.safetensors", ("fp8", "int8")),
+    # INT4 AWQ needs in_features in whole blocks of 128: awq_llama (hidden 128).
+    (HERE / "awq_llama", HERE / "qat_awq_llama" / "expected.safetensors", ("int4_awq",)),
+]
+
+
 def main():
     check_mt19937_64()
-    torch.manual_seed(0)
-    vocab = transformers.AutoConfig.from_pretrained(MODEL).vocab_size
-    gen = torch.Generator().manual_seed(11)
-    train_ids = torch.randint(0, vocab, (WINDOWS, T), generator=gen)
-    tensors = {"train_ids": train_ids}
-    for case in ("fp8", "int8", "fp8_clipped", "int8_clipped"):
-        losses, after, amax = run(case, train_ids)
-        print(case, "losses", losses)
-        tensors[f"{case}.losses"] = torch.tensor(losses, dtype=torch.float64)
-        for name, value in after.items():
-            tensors[f"{case}.{name}"] = value
-        for name, value in amax.items():
-            tensors[f"{case}.{name}"] = value.contiguous()
-    OUT.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, OUT / "expected.safetensors")
+    only = set(sys.argv[1:])  # output directory names to write (default: all)
+    for model_dir, out, cases in OUTPUTS:
+        if only and out.parent.name not in only:
+            continue
+        torch.manual_seed(0)
+        vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+        gen = torch.Generator().manual_seed(11)
+        train_ids = torch.randint(0, vocab, (WINDOWS, T), generator=gen)
+        tensors = {"train_ids": train_ids}
+        for case in cases:
+            losses, after, amax = run(case, train_ids, model_dir)
+            print(out.parent.name, case, "losses", losses)
+            tensors[f"{case}.losses"] = torch.tensor(losses, dtype=torch.float64)
+            for name, value in after.items():
+                tensors[f"{case}.{name}"] = value
+            for name, value in amax.items():
+                tensors[f"{case}.{name}"] = value.contiguous()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, out)
 
 
 if __name__ == "__main__":
