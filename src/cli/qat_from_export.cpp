@@ -34,6 +34,12 @@ void check_qat_start_model(const TrainOptions& o, const ModelChoice& model) {
     check_not_quantized(model, "train");  // throws: plain training needs the weights
   }
   const std::string where = "--model '" + model.dir->string() + "'";
+  if (o.quant != "fp8" && o.quant != "int8") {
+    throw InputError(where +
+                     " is a quantized export; continuing quantization-aware training "
+                     "from an export supports --quant fp8 and int8 only (not " +
+                     o.quant + ")");
+  }
   const hf::CheckpointQuantization& q = *model.quantization;
   if (q.quant_algo != quant_algo_of(o.quant)) {
     throw InputError(where + " is quantized with quant_algo " + q.quant_algo + " (" + q.source +
