@@ -458,7 +458,11 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
   // Every check runs on every rank before any collective and any file. Without expert
   // parallelism every rank checks the same model and the same synced quantizers; with it the
   // ranks hold different experts, so their findings are gathered and agreed on.
-  std::vector<std::string> unquantized{"model.embed_tokens"}, quantized;
+  // modelopt converts modules by exact class: Gemma 2 / 3's embedding is transformers'
+  // ScaledWordEmbedding, a subclass of nn.Embedding that gets no quantizers and so is not
+  // listed (modelopt 0.47, tests/quant/make_family_ptq_fixtures.py).
+  std::vector<std::string> unquantized, quantized;
+  if (!model->config.scale_embeddings) unquantized.emplace_back("model.embed_tokens");
   std::optional<LayerFormat> format;
   std::optional<std::string> problem;
   std::vector<ExportedLinear> mine;  // this rank's routed experts (expert parallelism)
@@ -467,8 +471,8 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
     for (const auto& item : model->named_parameters()) local_parameters[item.key()] = item.value();
     check_dtypes(local_parameters);
     // modelopt lists every module that carries quantizers and quantizes nothing, in module
-    // order: the embedding (a QuantEmbedding there), the disabled Linears, a tied lm_head
-    // (a Linear in transformers).
+    // order: the embedding (a QuantEmbedding there, except Gemma's), the disabled Linears, a tied
+    // lm_head (a Linear in transformers).
     for (const auto& q : quantizers.linears()) {
       const LayerFormat layer = layer_format(*q);
       if (layer == LayerFormat::none) {

@@ -257,6 +257,26 @@ TEST_F(QuantizeCommand, MatchesModeloptAndEvalReadsTheExportBack) {
   }
 }
 
+// The families beyond Llama / Qwen (tests/quant/make_family_ptq_fixtures.py): Gemma 2 (sandwich
+// norms, soft-capping, tied head), Gemma 3 text (q/k norms, per-type RoPE), Phi-3 (fused qkv_proj
+// and gate_up_proj, quantized as one Linear each as modelopt does) and OLMo 2 (post norms,
+// whole-width q/k norms): FP8 on one rank, the export byte for byte as modelopt's, its
+// quantization config equal, and the losses before and after quantization modelopt's.
+TEST_F(QuantizeCommand, FamiliesMatchModelopt) {
+  for (const std::string arch : {"gemma2", "gemma3", "phi3", "olmo2"}) {
+    SCOPED_TRACE(arch);
+    const fs::path out = quantize(arch, "fp8", 1);
+    const fs::path modelopt = fixture(arch) / "export_fp8";
+    const auto json = report(out);
+    EXPECT_EQ(json["quant_algo"], "FP8");
+    EXPECT_EQ(json["calibration_sequences"], 6);
+    EXPECT_LE(relative(json["loss_before"].get<double>(), expected(arch, "loss")), 1e-5);
+    EXPECT_LE(relative(json["loss_after"].get<double>(), expected(arch, "fp8.loss")), 1e-5);
+    EXPECT_EQ(compare_exports(out, modelopt, 0), 0);
+    expect_same_quant_config(out, modelopt);
+  }
+}
+
 // NVFP4 through the command: modelopt's loss and export on one rank, data parallel 2 byte for
 // byte as one rank, tensor parallel 2 within ptq_dist_test's bounds, and `mdist eval` of the
 // export (mdist's and modelopt's: the same number, modelopt's fake-quant loss under the export's
