@@ -571,6 +571,33 @@ TEST(LlamaConfig, UnsupportedArchitectureIsNamed) {
   EXPECT_EQ(message.find('\n'), std::string::npos);
 }
 
+// The architectures issue 30 names as still missing, spelled as their transformers 5.24
+// configs: DeepSeek-V3 (multi-head latent attention), gpt-oss (attention sinks), and the
+// same configs without `architectures` (the name inferred from model_type is refused too).
+TEST(LlamaConfig, MissingArchitecturesAreRefusedByName) {
+  struct Case {
+    std::string json;
+    std::string named;
+  };
+  const std::vector<Case> cases = {
+      {R"({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+           "hidden_size": 64, "kv_lora_rank": 16, "q_lora_rank": 24})",
+       "unsupported architecture 'DeepseekV3ForCausalLM'"},
+      {R"({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
+           "num_local_experts": 4})",
+       "unsupported architecture 'GptOssForCausalLM'"},
+      {R"({"model_type": "deepseek_v3", "hidden_size": 64})",
+       "unsupported model_type 'deepseek_v3'"},
+      {R"({"model_type": "gpt_oss", "hidden_size": 64})", "unsupported model_type 'gpt_oss'"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.named);
+    const std::string message = error_of([&] { LlamaConfig::from_json(c.json); });
+    EXPECT_THAT(message, HasSubstr(c.named));
+    EXPECT_EQ(message.find('\n'), std::string::npos);
+  }
+}
+
 TEST(LlamaConfig, MissingKeyIsNamed) {
   EXPECT_THAT(error_of([] {
                 LlamaConfig::from_json(R"({"architectures": ["LlamaForCausalLM"],
