@@ -6,6 +6,7 @@
 
 #include "mdist/error.h"
 #include "mdist/train/distill_loss.h"
+#include "src/train/router_aux_loss.h"
 
 namespace mdist::train {
 
@@ -81,13 +82,7 @@ LossParts DistillationLoss::operator()(hf::CausalLM& model, const hf::Parallelis
     parts.cross_entropy = parts.loss;
     parts.objective = logits.sum() * 0.0;
   }
-  if (moe_) {
-    parts.aux_loss = model->aux_loss(batch.attention_mask);
-    if (aux_weight_ > 0) {
-      parts.objective = parts.objective + (aux_weight_ / normalisation.micro_batches) *
-                                              parts.aux_loss.to(parts.loss.device());
-    }
-  }
+  if (moe_) add_router_aux_loss(parts, model, batch, aux_weight_, normalisation);
   return parts;
 }
 

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "src/train/router_aux_loss.h"
+
 namespace mdist::train {
 namespace {
 
@@ -63,15 +65,7 @@ LossParts CausalLmLoss::operator()(hf::CausalLM& model, const hf::Parallelism& p
     parts.loss = at::zeros({}, logits.options().dtype(at::kFloat));
     parts.objective = logits.sum() * 0.0;
   }
-  if (moe_) {
-    // Measured for the log in any case; in the objective with its weight, each micro-batch's
-    // forward for its share of the step (LossNormalisation::micro_batches).
-    parts.aux_loss = model->aux_loss(batch.attention_mask);
-    if (aux_weight_ > 0) {
-      parts.objective = parts.objective + (aux_weight_ / normalisation.micro_batches) *
-                                              parts.aux_loss.to(parts.loss.device());
-    }
-  }
+  if (moe_) add_router_aux_loss(parts, model, batch, aux_weight_, normalisation);
   return parts;
 }
 
