@@ -91,18 +91,20 @@ class Windows:
         return self.windows[[self.window_of(k) for k in range(first, first + size)]]
 
 
-def train_loop(model, args, world, rank, step_loss):
-    """The measured loop, shared with bench/ep_train.py: AdamW with decoupled weight decay on
-    matrices only (norm weights are not decayed, as in mdist), mdist's schedule, clip 1.0.
-    step_loss(ids) -> (loss to backpropagate, loss to log). Returns the per-step losses (mean
-    over ranks), the tokens/s of the steps after --warmup-steps and every rank's peak RSS."""
+def train_loop(model, args, world, rank, step_loss, data=None):
+    """The measured loop, shared with bench/ep_train.py and bench/train_qat.py: AdamW with
+    decoupled weight decay on matrices only (norm weights are not decayed, as in mdist), mdist's
+    schedule, clip 1.0. step_loss(ids) -> (loss to backpropagate, loss to log); data: the
+    windows (default Windows of --corpus). Returns the per-step losses (mean over ranks), the
+    tokens/s of the steps after --warmup-steps and every rank's peak RSS."""
     per_rank = args.global_batch // world
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    data = Windows(args.corpus, args.seq_len, args.seed)
+    if data is None:
+        data = Windows(args.corpus, args.seq_len, args.seed)
     step_tokens = args.global_batch * args.seq_len
     losses, rates = [], []
     rss = torch.empty(world, dtype=torch.float64)

@@ -12,7 +12,14 @@
 # LR_WARMUP (30 steps), SEED (1234), PARAM_DTYPE (fp32, or bf16: both sides with FSDP2's bf16
 # mixed precision, mdist train --param-dtype bf16), RUN_TIMEOUT (600 s per run, so that a hung job becomes a
 # failed row), MDIST_CACHE (where the bench venv lives), SKIP_BUILD=1 (use the binaries in
-# BUILD_DIR as they are).
+# BUILD_DIR as they are), QAT=1 (below).
+# QAT=1: instead, the quantization-aware training and distillation rows (issue 29) on the same
+# model, data, schedule and threads, per round C++ then Python for each of VARIANTS ("plain fp8
+# int8 qad_fp8"): `mdist train --quant fp8|int8` (QAT) and `--quant fp8 --teacher` (QAD) vs
+# modelopt 0.47's mtq.quantize + the same loop (bench/train_qat.py), both from one seeded
+# transformers initialisation and in mdist's data order (so the first losses agree); step time
+# without calibration, calibration time separately, mdist QAT step ÷ its plain step; fp32 only;
+# CALIB_SEQUENCES (64). See bench/train_cli_qat.sh. E.g. QAT=1 RANKS=2 bench/train_cli.sh 30
 # Needs a build (scripts/setup.sh) and creates a bench-only venv with torch and transformers
 # (bench/requirements.txt) on first use.
 set -uo pipefail
@@ -48,7 +55,11 @@ fi
   { echo "no $build/bin/mdist or $build/bin/mdistrun (build first: scripts/setup.sh)" >&2; exit 1; }
 # shellcheck source=bench/bench_venv.sh
 source bench/bench_venv.sh
-ensure_bench_venv "torch, numpy, transformers"
+if [[ "${QAT:-0}" == 1 ]]; then
+  ensure_bench_venv "torch, numpy, transformers, modelopt.torch.quantization"
+else
+  ensure_bench_venv "torch, numpy, transformers"
+fi
 
 # One thread per rank on both sides: the ranks share this machine's cores, and torch would
 # otherwise start a full thread pool in every rank.
@@ -147,6 +158,12 @@ run_py() {
   fi
   echo "$impl, $world rank(s): $((SECONDS - start)) s" >&2
 }
+
+if [[ "${QAT:-0}" == 1 ]]; then
+  # shellcheck source=bench/train_cli_qat.sh
+  source bench/train_cli_qat.sh
+  exit 0
+fi
 
 for world in $ranks; do
   for ((round = 1; round <= rounds; ++round)); do

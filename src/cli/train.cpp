@@ -472,13 +472,20 @@ int run_train(const TrainOptions& o) {
         .windows = calib,
         .description = in.calib_data ? in.calib_data->description : in.data.description,
         .sequences = calibration_sequences(o, calib)};
+    // Timed so that its cost can be told apart from the steps' (bench/train_cli.sh's QAT rows).
+    const auto calibration_start = std::chrono::steady_clock::now();
     quantizers =
         start_quantization_aware_training(o, built.model, built.parallelism, layout, calibration);
+    const double calibration_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - calibration_start).count();
+    std::ostringstream seconds;
+    seconds.precision(3);
+    seconds << std::fixed << calibration_s;
     qat_line = "mdist train: quantization-aware training, --quant " + o.quant + " (" +
                qat_config(o).name + " preset, " + qat_calibration_method(o) +
                " calibration on the first " + std::to_string(calibration.sequences) +
-               " sequences of " + calibration.description +
-               ", amax frozen from step 1), backward " + o.quant_backward;
+               " sequences of " + calibration.description + " in " + seconds.str() +
+               " s, amax frozen from step 1), backward " + o.quant_backward;
   }
   const double aux_weight = train::aux_loss_weight(built.model->config, o.router_aux_loss_coef);
   // --teacher: the teacher built on the same layout, before anything is written.
