@@ -186,8 +186,11 @@ for world in sorted({r["world"] for r in rows}):
                          f"({'meets' if med <= 0.85 else 'misses'} the goal <= 0.85)")
         if vs_plain:
             med = sorted(vs_plain)[(len(vs_plain) - 1) // 2]
-            goals.append(f"{world} rank(s) {v}: mdist step / mdist plain {med:.2f} "
-                         f"({'meets' if med <= 1.3 else 'misses'} the goal <= 1.3)")
+            # The 1.3 goal is QAT's: a QAD step runs the teacher's forward besides.
+            verdict = ("a teacher forward more than QAT; the <= 1.3 goal is QAT's"
+                       if v.startswith("qad_") else
+                       f"{'meets' if med <= 1.3 else 'misses'} the goal <= 1.3")
+            goals.append(f"{world} rank(s) {v}: mdist step / mdist plain {med:.2f} ({verdict})")
 print()
 print("each cell: median [min, max] over the rounds; the paired ratios divide runs of the same "
       "round (mdist/Py: the Python run right after the mdist one; ÷ plain: that round's mdist "
