@@ -75,6 +75,7 @@ run_py_qat() {
   local variant="$1" world="$2" round="$3" impl="modelopt + torch FSDP2 (Python)"
   local log="$work/py-$1-$2-$3.log" flags=()
   local start=$SECONDS
+  [[ "$variant" == plain ]] && impl="transformers + torch FSDP2 (Python)"
   [[ "$variant" == qad_* ]] && flags+=(--teacher "$model")
   launch "$log" "$venv/bin/python" -m torch.distributed.run --standalone --nproc-per-node "$world" \
     bench/train_qat.py --model "$model" --quant "$(variant_quant "$variant")" \
