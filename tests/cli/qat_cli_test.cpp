@@ -390,6 +390,18 @@ TEST_F(QatCommand, Bf16MatchesModeloptOnFsdp2) {
     SCOPED_TRACE(name);
     expect_matches_modelopt(name, 1, bf16, kLlamaBf16, kBf16WeightBound, kBf16LossBound,
                             kBf16StateBound);
+    // The amax in modelopt's dtypes: fp32 for the weights, bf16 for the inputs.
+    const hf::SafetensorsFile expected(kLlamaBf16.expected);
+    const hf::SafetensorsFile state(dir_ / ("qat_llama-" + name + "-1-bf16") / "checkpoints" /
+                                    "step-00000005" / "qat_quantizers.safetensors");
+    int checked = 0;
+    for (const auto& key : state.names()) {
+      ASSERT_TRUE(expected.contains(name + "." + key)) << key;
+      EXPECT_EQ(state.tensor(key).scalar_type(), expected.tensor(name + "." + key).scalar_type())
+          << key;
+      ++checked;
+    }
+    EXPECT_EQ(checked, 28);
   }
   for (const std::string name : {"fp8", "int8"}) {
     SCOPED_TRACE(name + " on 2 ranks");
