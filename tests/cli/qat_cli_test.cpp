@@ -65,9 +65,15 @@ std::vector<std::string> case_flags(const std::string& name) {
 
 // bf16 QAT against modelopt's on FSDP2 (Bf16MatchesModeloptOnFsdp2): measured, see
 // docs/quantization.md.
-constexpr double kBf16LossBound = 1e-3;
-constexpr double kBf16WeightBound = 1e-3;
-constexpr double kBf16StateBound = 1e-2;
+// The weight amax is exact (checked apart); the input amax comes from bf16 activations, which
+// mdist's forward and transformers' compute a few bf16 steps apart (1.4e-2 relative measured,
+// a bf16 step being 2^-8..2^-7), and the losses follow (worst 2.2e-2 relative, nvfp4; fp8
+// 7.3e-3, int8 1.8e-3 / clipped 5.1e-3). The weight bound is weak: 5 AdamW steps of this
+// schedule move an element by at most 3.2e-3, so two runs can be 6.3e-3 apart at most
+// (measured 5.1e-3); it catches a run that trains something else, not rounding.
+constexpr double kBf16LossBound = 3e-2;
+constexpr double kBf16WeightBound = 6e-3;
+constexpr double kBf16StateBound = 2e-2;
 
 class QatCommand : public MdistCommand {
  protected:
@@ -399,6 +405,10 @@ TEST_F(QatCommand, Bf16MatchesModeloptOnFsdp2) {
       ASSERT_TRUE(expected.contains(name + "." + key)) << key;
       EXPECT_EQ(state.tensor(key).scalar_type(), expected.tensor(name + "." + key).scalar_type())
           << key;
+      // max(fp32 master, bf16 gathered weight) depends on no activation: equal bit for bit.
+      if (key.ends_with("weight_quantizer._amax")) {
+        EXPECT_TRUE(at::equal(state.tensor(key), expected.tensor(name + "." + key))) << key;
+      }
       ++checked;
     }
     EXPECT_EQ(checked, 28);
@@ -407,8 +417,9 @@ TEST_F(QatCommand, Bf16MatchesModeloptOnFsdp2) {
     SCOPED_TRACE(name + " on 2 ranks");
     expect_matches_modelopt(name, 2, bf16, kLlamaBf16, kBf16WeightBound, kBf16LossBound,
                             kBf16StateBound);
-    // The two layouts against each other: the same calibration (max over the ranks), and
-    // steps whose sequences are computed on 2 ranks instead of 1.
+    // The two layouts against each other: the same calibration (max over the ranks, 0
+    // difference), and steps whose sequences are computed 2 per rank instead of 4 (bf16
+    // rounding again: losses 7.6e-3 relative, weights 1.8e-3 measured for fp8).
     const auto [losses, weights, state] = compare_runs(dir_ / ("qat_llama-" + name + "-1-bf16"),
                                                        dir_ / ("qat_llama-" + name + "-2-bf16"));
     EXPECT_LE(losses, kBf16LossBound);
