@@ -92,8 +92,12 @@ std::unique_ptr<quant::ModelQuantizers> start_quantization_aware_training(
               .to(device));
     }
   };
+  // Under --param-dtype the forwards see the gathered weights in that dtype while the shards
+  // hold the master weights: the weight amax takes both, as modelopt's on FSDP2.
   auto quantizers = quant::quantize(model, qat_config(o), loop,
-                                    {.parallel = layout.parallel, .parallelism = parallelism});
+                                    {.parallel = layout.parallel,
+                                     .parallelism = parallelism,
+                                     .master_weight_amax = !o.io.param_dtype.empty()});
   fold_smoothing_into_parameters(*quantizers);
   return quantizers;
 }

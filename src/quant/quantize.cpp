@@ -11,8 +11,10 @@
 
 #include "mdist/error.h"
 #include "mdist/fsdp/fully_shard.h"
+#include "mdist/fsdp/state_dict.h"
 #include "mdist/hf/expert_parallel.h"
 #include "mdist/quant/block_check.h"
+#include "mdist/runtime/device.h"
 #include "mdist/tp/collectives.h"
 #include "src/quant/amax_sync.h"
 #include "src/quant/awq.h"
@@ -292,6 +294,60 @@ void ModelQuantizers::calibrate_weights_directly() {
   }
 }
 
+// modelopt's weight_only_quantize on a model wrapped by fully_shard under mixed precision
+// (QuantizeOptions::master_weight_amax): max |W| of each weight in its master dtype, per tensor
+// or per output row. FSDP2 shards along dim 0, the rows: each rank reduces its own rows (a
+// per-row amax of rows it does not hold is 0, which a MAX leaves alone), then the maxima are
+// MAX-reduced over the data-parallel group and merged into the running max the forward loop
+// continues with the gathered weights.
+void ModelQuantizers::collect_master_weight_amax(const QuantizeOptions& options) {
+  if (options.parallelism.expert_parallel) {
+    throw Error("mdist::quant: master_weight_amax does not support expert parallelism yet");
+  }
+  const auto placements = param_placements(*model_);
+  std::vector<detail::AmaxToSync> masters;
+  std::vector<TensorQuantizer> targets;
+  const at::NoGradGuard no_grad;
+  for (const auto& q : linears_) {
+    for (const TensorQuantizer& quantizer : {q->weight_quantizer, q->weight_quantizer_2}) {
+      if (!quantizer || !quantizer->is_enabled()) continue;
+      const QuantFormat& format = quantizer->format();
+      if (format.block_kind() == BlockKind::static_blocks) {
+        throw Error("mdist::quant: master_weight_amax does not support static blocks (" + q->name +
+                    ")");
+      }
+      const auto found = placements.find(q->name + ".weight");
+      if (found == placements.end()) {
+        throw Error("mdist::quant: " + q->name + ".weight is no parameter of the wrapped model");
+      }
+      const ParamPlacement& placement = found->second;
+      const at::Tensor rows = placement.param.detach().narrow(0, 0, placement.rows).abs();
+      at::Tensor amax;
+      if (format.axis() == Axis::per_row) {
+        // The [rows, 1] shape (0-d for one row) that collect's reduction gives.
+        amax = at::zeros({placement.full_shape[0], 1}, rows.options());
+        if (placement.rows > 0) {
+          amax.narrow(0, placement.row_offset, placement.rows)
+              .copy_(at::amax(rows, {1}, /*keepdim=*/true));
+        }
+        if (amax.numel() == 1) amax.squeeze_();
+      } else {
+        amax = placement.rows > 0 ? rows.max() : at::zeros({}, rows.options());
+      }
+      TensorQuantizer master(format);
+      master->set_amax(amax);
+      masters.push_back({q->name + ".weight_quantizer", master});
+      targets.push_back(quantizer);
+    }
+  }
+  // Where the forwards compute (the shards may live on the CPU under CPU offload).
+  const c10::Device device = compute_device();
+  detail::sync_amax_max(masters, options.parallel.data_parallel_group, device);
+  for (std::size_t i = 0; i < masters.size(); ++i) {
+    targets[i]->collect_amax(masters[i].quantizer->amax().to(device));
+  }
+}
+
 // modelopt's finish_stats_collection with the max calibrator: amax = the collected max.
 void ModelQuantizers::load_calib_amax(bool weights_from_forward) {
   for (const auto& q : linears_) {
@@ -414,6 +470,7 @@ void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeO
   }
   set_mode(Mode::calibrate);
   if (!weights_from_forward) calibrate_weights_directly();
+  if (weights_from_forward && options.master_weight_amax) collect_master_weight_amax(options);
   if (forward_loop) forward_loop(model_);
   for (const auto& q : linears_) q->collect_channels = false;
   load_calib_amax(weights_from_forward);

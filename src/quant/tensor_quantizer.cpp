@@ -78,7 +78,11 @@ void TensorQuantizerImpl::collect(const at::Tensor& x) {
   // Static blocks are rows here (modelopt's axis (0,) after the reshape).
   const bool per_tensor =
       format_.axis() == Axis::per_tensor && format_.block_kind() != BlockKind::static_blocks;
-  const at::Tensor local = reduce_amax(x.detach(), per_tensor);
+  collect_amax(reduce_amax(x.detach(), per_tensor));
+}
+
+void TensorQuantizerImpl::collect_amax(const at::Tensor& local) {
+  const at::NoGradGuard no_grad;
   // MaxCalibrator asserts these: a NaN or an infinity would poison every later batch's max.
   if (local.isnan().any().item<bool>()) {
     throw Error("mdist::quant: calibration of the " + format_.str() +

@@ -45,6 +45,8 @@ const QatFixture kLlamaFormats{kModel, kFixtures / "qat_llama" / "expected_forma
 const QatFixture kQwen3{kFixtures / "ptq_qwen3", kFixtures / "qat_qwen3" / "expected.safetensors"};
 const QatFixture kAwqLlama{kFixtures / "awq_llama",
                            kFixtures / "qat_awq_llama" / "expected.safetensors"};
+// modelopt's QAT under torch FSDP2 with bf16 mixed precision (make_qat_bf16_fixtures.py).
+const QatFixture kLlamaBf16{kModel, kFixtures / "qat_llama" / "expected_bf16.safetensors"};
 
 // A fixture case "<format>[_kv][_clipped]" as mdist train's flags.
 std::vector<std::string> case_flags(const std::string& name) {
@@ -60,6 +62,18 @@ std::vector<std::string> case_flags(const std::string& name) {
   if (name.ends_with("_clipped")) flags.insert(flags.end(), {"--quant-backward", "clipped"});
   return flags;
 }
+
+// bf16 QAT against modelopt's on FSDP2 (Bf16MatchesModeloptOnFsdp2): measured, see
+// docs/quantization.md.
+// The weight amax is exact (checked apart); the input amax comes from bf16 activations, which
+// mdist's forward and transformers' compute a few bf16 steps apart (1.4e-2 relative measured,
+// a bf16 step being 2^-8..2^-7), and the losses follow (worst 2.2e-2 relative, nvfp4; fp8
+// 7.3e-3, int8 1.8e-3 / clipped 5.1e-3). The weight bound is weak: 5 AdamW steps of this
+// schedule move an element by at most 3.2e-3, so two runs can be 6.3e-3 apart at most
+// (measured 5.1e-3); it catches a run that trains something else, not rounding.
+constexpr double kBf16LossBound = 3e-2;
+constexpr double kBf16WeightBound = 6e-3;
+constexpr double kBf16StateBound = 2e-2;
 
 class QatCommand : public MdistCommand {
  protected:
@@ -115,10 +129,12 @@ class QatCommand : public MdistCommand {
   }
 
   // Runs the case ("fp8", "int8_clipped", "int4_awq", "fp8_kv", ...) of `fixture` on `ranks`
-  // and compares with modelopt's run.
+  // and compares with modelopt's run: the losses (relative), the weights (absolute) and the
+  // quantizer state (relative) within the bounds given.
   void expect_matches_modelopt(const std::string& name, int ranks,
                                const std::vector<std::string>& more = {},
-                               const QatFixture& fixture = kLlama, double weight_bound = 1e-5) {
+                               const QatFixture& fixture = kLlama, double weight_bound = 1e-5,
+                               double loss_bound = 1e-5, double state_bound = 1e-5) {
     std::vector<std::string> flags = case_flags(name);
     const std::string format = flags[1];
     const bool clipped = name.ends_with("_clipped");
@@ -140,7 +156,7 @@ class QatCommand : public MdistCommand {
       worst_loss =
           std::max(worst_loss, std::abs(steps[i]["loss"].get<double>() - want) / std::abs(want));
     }
-    EXPECT_LE(worst_loss, 1e-5);
+    EXPECT_LE(worst_loss, loss_bound);
 
     const hf::SafetensorsFile trained(out / "checkpoints" / "step-00000005" / "model.safetensors");
     double worst_weight = 0;
@@ -169,7 +185,7 @@ class QatCommand : public MdistCommand {
       ++states;
     }
     EXPECT_GT(states, 4);
-    EXPECT_LE(worst_state, 1e-5);
+    EXPECT_LE(worst_state, state_bound);
 
     for (const auto& key : expected.names()) {
       if (!key.starts_with(name + ".") || key.ends_with("._amax") ||
@@ -200,6 +216,37 @@ class QatCommand : public MdistCommand {
     EXPECT_THAT(state, HasSubstr("\"quant\": \"" + format + " (backward " +
                                  (clipped ? "clipped" : "pass-through")));
   }
+  // Two runs' step-5 results against each other: the worst loss (relative), weight (absolute)
+  // and quantizer amax (relative) difference.
+  struct RunGaps {
+    double losses = 0, weights = 0, state = 0;
+  };
+  RunGaps compare_runs(const fs::path& a, const fs::path& b) {
+    RunGaps gaps;
+    const auto first = metrics(a), second = metrics(b);
+    EXPECT_EQ(first.size(), second.size());
+    for (std::size_t i = 0; i < std::min(first.size(), second.size()); ++i) {
+      const double want = first[i]["loss"].get<double>();
+      gaps.losses =
+          std::max(gaps.losses, std::abs(second[i]["loss"].get<double>() - want) / std::abs(want));
+    }
+    const fs::path step = fs::path("checkpoints") / "step-00000005";
+    for (const auto& [file, relative] :
+         {std::pair{"model.safetensors", false}, std::pair{"qat_quantizers.safetensors", true}}) {
+      const hf::SafetensorsFile x(a / step / file), y(b / step / file);
+      EXPECT_EQ(x.names(), y.names()) << file;
+      for (const auto& name : x.names()) {
+        if (!y.contains(name)) continue;
+        const at::Tensor want = x.tensor(name).to(at::kDouble);
+        at::Tensor gap = (y.tensor(name).to(at::kDouble) - want).abs();
+        if (relative) gap = gap / want.abs().clamp_min(1e-30);
+        double& worst = relative ? gaps.state : gaps.weights;
+        worst = std::max(worst, gap.max().item<double>());
+      }
+    }
+    return gaps;
+  }
+
   // Runs `flags` (saving every 2 steps) into `whole`, then the same run cut after its step-2
   // checkpoint and resumed on each (ranks, tp) of `layouts`: the losses and final weights of
   // the uninterrupted run (1e-6).
@@ -338,6 +385,61 @@ TEST_F(QatCommand, BlockFormatsResumeTheUninterruptedRun) {
   expect_resume_continues(dir_ / "nvfp4", with(case_flags("nvfp4"), save), kLlamaFormats, {{2, 2}});
 }
 
+// --param-dtype bf16 (FSDP2's MixedPrecisionPolicy: gathered and computed in bf16, gradients
+// reduce-scattered in fp32 onto the fp32 master weights) against modelopt's QAT on torch FSDP2
+// with the same policy: the weight quantizers fake-quantize the bf16 gathered weight, their
+// amax is the max of the fp32 master's and the bf16 copy's (fp32), the input amax is bf16.
+// BF16_BOUNDS below.
+TEST_F(QatCommand, Bf16MatchesModeloptOnFsdp2) {
+  const std::vector<std::string> bf16 = {"--param-dtype", "bf16"};
+  for (const std::string name : {"fp8", "int8", "int8_clipped", "nvfp4"}) {
+    SCOPED_TRACE(name);
+    expect_matches_modelopt(name, 1, bf16, kLlamaBf16, kBf16WeightBound, kBf16LossBound,
+                            kBf16StateBound);
+    // The amax in modelopt's dtypes: fp32 for the weights, bf16 for the inputs.
+    const hf::SafetensorsFile expected(kLlamaBf16.expected);
+    const hf::SafetensorsFile state(dir_ / ("qat_llama-" + name + "-1-bf16") / "checkpoints" /
+                                    "step-00000005" / "qat_quantizers.safetensors");
+    int checked = 0;
+    for (const auto& key : state.names()) {
+      ASSERT_TRUE(expected.contains(name + "." + key)) << key;
+      EXPECT_EQ(state.tensor(key).scalar_type(), expected.tensor(name + "." + key).scalar_type())
+          << key;
+      // max(fp32 master, bf16 gathered weight) depends on no activation: equal bit for bit.
+      if (key.ends_with("weight_quantizer._amax")) {
+        EXPECT_TRUE(at::equal(state.tensor(key), expected.tensor(name + "." + key))) << key;
+      }
+      ++checked;
+    }
+    EXPECT_EQ(checked, 28);
+  }
+  for (const std::string name : {"fp8", "int8"}) {
+    SCOPED_TRACE(name + " on 2 ranks");
+    expect_matches_modelopt(name, 2, bf16, kLlamaBf16, kBf16WeightBound, kBf16LossBound,
+                            kBf16StateBound);
+    // The two layouts against each other: the same calibration (max over the ranks, 0
+    // difference), and steps whose sequences are computed 2 per rank instead of 4 (bf16
+    // rounding again: losses 7.6e-3 relative, weights 1.8e-3 measured for fp8).
+    const auto [losses, weights, state] = compare_runs(dir_ / ("qat_llama-" + name + "-1-bf16"),
+                                                       dir_ / ("qat_llama-" + name + "-2-bf16"));
+    EXPECT_LE(losses, kBf16LossBound);
+    EXPECT_LE(weights, kBf16WeightBound);
+    EXPECT_EQ(state, 0.0);
+    std::cout << "[ measured ] bf16 " << name << " on 2 ranks against 1 rank: losses within "
+              << losses << " relative, weights within " << weights << ", quantizer state within "
+              << state << std::endl;
+  }
+}
+
+// Resumed in the middle of bf16 QAT: the checkpoint's quantizers (fp32 weight amax, bf16
+// input amax, in their dtypes) and fp32 master weights continue the uninterrupted run.
+TEST_F(QatCommand, Bf16ResumeContinuesTheUninterruptedRun) {
+  expect_resume_continues(dir_ / "bf16",
+                          {"--quant", "int8", "--calib-sequences", "6", "--param-dtype", "bf16",
+                           "--save-every", "2", "--keep", "5"},
+                          kLlamaBf16, {{1, 1}});
+}
+
 TEST_F(QatCommand, BadInputIsOneLineAndWritesNothing) {
   const fs::path out = dir_ / "out";
   const fs::path moe = qwen3_moe_model("moe", 4);
@@ -376,8 +478,21 @@ TEST_F(QatCommand, BadInputIsOneLineAndWritesNothing) {
       {1, qat_args(out, {"--quant-backward", "clipped"}),
        "--quant-backward applies to quantization-aware training only"},
       {1, qat_args(out, {"--quant", "fp8", "--calib-sequences", "-1"}), "--calib-sequences"},
-      {1, qat_args(out, {"--quant", "fp8", "--param-dtype", "bf16"}),
-       "--quant with --param-dtype bf16"},
+      // bf16 quantization-aware training: what it is not compared with modelopt for.
+      {1, qat_args(out, {"--quant", "int4_awq", "--param-dtype", "bf16"}, kAwqLlama),
+       "--quant int4_awq with --param-dtype bf16: quantization-aware training of int4_awq "
+       "computes in the weights' dtype only yet"},
+      {2, qat_args(out, {"--quant", "fp8", "--param-dtype", "bf16", "--tp", "2"}),
+       "--quant fp8 with --param-dtype bf16 and --tp 2: bf16 quantization-aware training does "
+       "not support tensor parallelism yet"},
+      {1, qat_args(out, {"--quant", "fp8", "--param-dtype", "bf16", "--kv-cache", "fp8"}),
+       "--quant fp8 with --param-dtype bf16 and --kv-cache: not supported together yet"},
+      {1,
+       qat_args(out, {"--quant", "int8", "--param-dtype", "bf16", "--export-quantized",
+                      (dir_ / "export").string()}),
+       "--quant int8 with --param-dtype bf16 and --export-quantized: not supported together yet"},
+      {1, qat_args(out, {"--quant", "fp8", "--param-dtype", "bf16", "--teacher", kModel.string()}),
+       "--quant fp8 with --param-dtype bf16 and --teacher: not supported together yet"},
       {2, qat_args(out, {"--quant", "fp8", "--ep", "2"}), "--quant with --ep 2"},
       {1, qat_args(out, {"--quant", "fp8", "--calib-data", (dir_ / "missing.u32").string()}),
        "missing.u32"},

@@ -22,8 +22,9 @@
 //  1. every enabled quantizer goes into calibrate mode; every enabled weight quantizer first
 //     sees its weight (`weight_only_quantize`), so a Linear that the loop never reaches still
 //     gets its weight amax. A model wrapped by fully_shard holds no whole weight outside its
-//     forward: there the weights are taken inside the loop's forwards instead (the same max),
-//     and an enabled weight quantizer whose Linear never ran is an Error naming it;
+//     forward: there the weights are taken inside the loop's forwards instead (the same max;
+//     with QuantizeOptions::master_weight_amax also from the master shards), and an enabled
+//     weight quantizer whose Linear never ran is an Error naming it;
 //  2. the forward loop runs (each rank its own data); every enabled quantizer keeps the
 //     running max |x| (per row for a per-row weight);
 //  3. each quantizer's amax is that max; quantizers that saw nothing (an input no token
@@ -105,6 +106,16 @@ struct QuantizeOptions {
   // experts (mdist::make_expert_data_parallel_group), over which a routed expert's amax is
   // synced. Required then; unused otherwise.
   std::optional<Group> expert_data_parallel = std::nullopt;
+  // A model wrapped by fully_shard whose forwards compute in another dtype than its sharded
+  // parameters hold (MixedPrecisionPolicy::param_dtype: bf16 compute over fp32 master weights).
+  // modelopt's weight_only_quantize gathers each weight whole in its shards' dtype before the
+  // forward loop, whose Linears then see the weight in param_dtype, so its weight amax is the
+  // max of both, in the wider dtype. When set, calibration (the max and SmoothQuant algorithms'
+  // per-tensor and per-row weight quantizers) takes that max too: each rank reduces its own
+  // rows of the master shard, MAX over the data-parallel group, no gather. Without it a
+  // wrapped model's weight amax comes from its forwards only (the same value when they compute
+  // in the parameters' dtype). Not with expert parallelism or static blocks (Error).
+  bool master_weight_amax = false;
 };
 
 class ModelQuantizers;
@@ -194,6 +205,7 @@ class ModelQuantizers {
   void install_hooks(QuantizedLinear& linear);
   void install_hooks(QuantizedAttention& attention);
   void calibrate_weights_directly();
+  void collect_master_weight_amax(const QuantizeOptions& options);
   void load_calib_amax(bool weights_from_forward);
   void sync_amax(const QuantizeOptions& options);
   void smooth(const ForwardLoop& forward_loop, const QuantizeOptions& options,

@@ -64,6 +64,11 @@ class TensorQuantizerImpl : public torch::nn::Module {
   // modelopt's `load_calib_amax` with the max calibrator: _amax = the running max collected in
   // calibrate mode. Error when nothing was collected.
   void load_calib_amax();
+  // Merges a maximum taken elsewhere (in the shape collect's reduction gives, e.g. from the
+  // shards of a weight that no rank holds whole) into the running max, as collect merges a
+  // batch's; the running max takes the wider dtype of the two (torch.max's promotion). Error on
+  // NaN, an infinity or another shape.
+  void collect_amax(const at::Tensor& amax);
   // The running max so far (undefined before the first batch), and forgetting it.
   const at::Tensor& calib_amax() const { return calib_amax_; }
   void reset_calibration() { calib_amax_ = at::Tensor(); }
