@@ -155,14 +155,6 @@ QuantizeInputs check_inputs(const QuantizeOptions& o) {
                        "(Phi-3), and the unified checkpoint names k_scale / v_scale after k_proj "
                        "/ v_proj");
     }
-    if (o.format == "int8_sq" && in.choice.config.moe) {
-      // mdist::quant refuses it too (see ModelQuantizers): modelopt smooths only the attention
-      // layers of a mixture of experts, and mdist does not reproduce that yet.
-      throw InputError(
-          "--format int8_sq is not supported for a mixture of experts yet (modelopt smooths only "
-          "its attention layers and quantizes its fused experts unsmoothed, which mdist does not "
-          "reproduce); use --format int8 or fp8");
-    }
     if ((o.format == "int4_awq" || o.format == "w4a8_awq") && in.choice.config.moe) {
       throw InputError(
           "--format " + o.format +

@@ -568,9 +568,6 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
        "--sq-alpha nan is outside [0, 1]"},
       {base({"--format", "int8", "--sq-alpha", "0.5", "--out", out.string()}),
        "--sq-alpha is SmoothQuant's alpha: it needs --format int8_sq, not int8"},
-      {std::vector<std::string>{"quantize", "--model", moe.string(), "--data", calib, "--seq-len",
-                                "16", "--format", "int8_sq", "--out", out.string()},
-       "--format int8_sq is not supported for a mixture of experts yet"},
       {base({"--format", "fp8", "--kv-cache", "int8", "--out", out.string()}),
        "unknown --kv-cache 'int8'; the KV-cache format is fp8 (modelopt's FP8_KV_CFG)"},
       {std::vector<std::string>{"quantize", "--model", phi3.string(), "--data", calib, "--seq-len",
@@ -614,8 +611,6 @@ TEST_F(QuantizeCommand, BadInputIsOneLineAndWritesNothing) {
   const std::vector<RanksCase> ep_cases = {
       {2, base({"--format", "fp8", "--ep", "2", "--out", out.string()}),
        "--ep 2: the model (llama) has no mixture-of-experts layers to split"},
-      {2, on_moe({"--format", "int8_sq", "--ep", "2"}),
-       "--format int8_sq is not supported for a mixture of experts yet"},
       {2, on_moe({"--format", "int4_awq", "--ep", "2"}),
        "--format int4_awq is not supported for a mixture of experts yet"},
       {2, on_moe({"--format", "w4a8_awq", "--ep", "2"}),
@@ -949,7 +944,7 @@ TEST_F(QuantizeCommand, ExpertParallelGivesOneRanksExport) {
     EXPECT_DOUBLE_EQ(a["loss_before"].get<double>(), e["loss_before"].get<double>());
     EXPECT_DOUBLE_EQ(a["loss_after"].get<double>(), e["loss_after"].get<double>());
   };
-  for (const std::string format : {"fp8", "int8", "nvfp4"}) {
+  for (const std::string format : {"fp8", "int8", "int8_sq", "nvfp4"}) {
     SCOPED_TRACE(format);
     const fs::path one = run_quantize(format, 1, {});
     expect_same(run_quantize(format, 2, {"--ep", "2"}), one);
