@@ -277,6 +277,32 @@ TEST_F(QuantizeCommand, FamiliesMatchModelopt) {
   }
 }
 
+// A mixture of experts (make_ptq_moe_fixtures.py's Qwen3-MoE, whose experts modelopt 0.47
+// quantizes as transformers 5's fused experts) through the command, on one rank and on
+// expert parallel 2: modelopt's export byte for byte and its quantized loss, for every format
+// that takes a mixture of experts.
+TEST_F(QuantizeCommand, MoeMatchesModeloptOnOneRankAndExpertParallel) {
+  for (const std::string format : {"fp8", "int8", "int8_sq", "nvfp4"}) {
+    SCOPED_TRACE(format);
+    const fs::path modelopt = fixture("qwen3_moe") / ("export_" + format);
+    for (const int ranks : {1, 2}) {
+      SCOPED_TRACE(std::to_string(ranks) + " rank(s)");
+      const fs::path out =
+          quantize("qwen3_moe", format, ranks,
+                   ranks == 1 ? std::vector<std::string>{} : std::vector<std::string>{"--ep", "2"});
+      const auto json = report(out);
+      EXPECT_EQ(compare_exports(out, modelopt, 0), 0);
+      expect_same_quant_config(out, modelopt);
+      const double loss = json["loss_after"].get<double>();
+      const double theirs = expected("qwen3_moe", format + ".loss");
+      std::cout << "[ measured ] qwen3_moe " << format << " on " << ranks << " rank(s): loss after "
+                << loss << ", modelopt " << theirs << ", relative " << relative(loss, theirs)
+                << std::endl;
+      EXPECT_LE(relative(loss, theirs), 1e-6);
+    }
+  }
+}
+
 // NVFP4 through the command: modelopt's loss and export on one rank, data parallel 2 byte for
 // byte as one rank, tensor parallel 2 within ptq_dist_test's bounds, and `mdist eval` of the
 // export (mdist's and modelopt's: the same number, modelopt's fake-quant loss under the export's
