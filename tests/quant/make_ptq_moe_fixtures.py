@@ -8,8 +8,8 @@ The environment (modelopt is never a run-time dependency of mdist):
   /root/.cache/mdist/bench-venv/bin/python tests/quant/make_ptq_moe_fixtures.py
 
 As make_ptq_fixtures.py, in fp32 on CPU: the seeded model is saved with save_pretrained
-(config.json + model.safetensors, transformers 5's fused expert tensors, which mdist's loader
-splits per expert), then for each preset (fp8, int8, int8_sq, nvfp4: its fake quant on
+(config.json + model.safetensors; transformers 5.24 writes the experts per expert,
+`mlp.experts.E.gate_proj.weight`, and fuses them again when it loads), then for each preset (fp8, int8, int8_sq, nvfp4: its fake quant on
 nvfp4_kernel_reference.py) a fresh copy goes through modelopt's own
     mtq.quantize(model, CFG, lambda m: [m(input_ids=b) for b in calib])
 and expected.safetensors records the same keys as make_ptq_fixtures.py's (calib, eval_ids, loss,
