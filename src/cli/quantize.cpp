@@ -18,10 +18,11 @@
 // calibration data, three on the FSDP2-wrapped model: the folded weights' block amax is taken
 // in the third). --kv-cache fp8 adds modelopt's FP8_KV_CFG (quant::add_kv_cache_rules) to any
 // format. --ep E splits a mixture of experts' routed experts over expert-parallel groups as
-// `calibrate --ep` does (each expert's amax synced over the ranks holding it, the export
-// gathering them to rank 0); with the max-calibrated formats (fp8, int8, nvfp4: SmoothQuant and
-// AWQ refuse a mixture of experts). Not implemented yet (refused with one line, exit 2): --ep
-// with --tp, --param-dtype.
+// `calibrate --ep` does (each expert's weight amax synced over the ranks holding it, a block's
+// shared expert input amax over data parallel, the export gathering them to rank 0); with fp8,
+// int8, nvfp4 and int8_sq (whose experts are not smoothed, as modelopt's fused experts; AWQ
+// refuses a mixture of experts). Not implemented yet (refused with one line, exit 2): --ep with
+// --tp, --param-dtype.
 //
 // Progress: on a terminal rank 0 redraws one line per phase in place (held-out loss before,
 // calibrating, SmoothQuant's smoothing pass, held-out loss after, exporting) with a count of
@@ -154,14 +155,6 @@ QuantizeInputs check_inputs(const QuantizeOptions& o) {
                        " is not supported for this model: its attention has one fused qkv_proj "
                        "(Phi-3), and the unified checkpoint names k_scale / v_scale after k_proj "
                        "/ v_proj");
-    }
-    if (o.format == "int8_sq" && in.choice.config.moe) {
-      // mdist::quant refuses it too (see ModelQuantizers): modelopt smooths only the attention
-      // layers of a mixture of experts, and mdist does not reproduce that yet.
-      throw InputError(
-          "--format int8_sq is not supported for a mixture of experts yet (modelopt smooths only "
-          "its attention layers and quantizes its fused experts unsmoothed, which mdist does not "
-          "reproduce); use --format int8 or fp8");
     }
     if ((o.format == "int4_awq" || o.format == "w4a8_awq") && in.choice.config.moe) {
       throw InputError(

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -27,6 +28,9 @@ using Mode = TensorQuantizerImpl::Mode;
 // modelopt registers its quantized modules under these class names (QuantModuleRegistry);
 // parent_class rules compare against them. Every quantizer here belongs to a Linear.
 constexpr const char* kLinearClass = "nn.Linear";
+// transformers 5's fused experts module (modelopt's _QuantFusedExperts): no class that a
+// preset's parent_class rule names.
+constexpr const char* kFusedExpertsClass = "fused experts";
 
 TensorQuantizer make_quantizer(const ResolvedQuantizer& resolved, bool pass_through_bwd) {
   TensorQuantizer quantizer(resolved.format,
@@ -143,21 +147,14 @@ ModelQuantizers::ModelQuantizers(hf::CausalLM& model, const QuantConfig& config)
   if (const auto problem = block_size_problem(model_, config_)) {
     throw InputError("mdist::quant: " + *problem);
   }
-  if (config_.algorithm == "smoothquant" && model_->config.moe) {
-    // modelopt 0.47 on transformers 5's Qwen3-MoE smooths only the attention Linears: the fused
-    // experts (_QuantFusedExperts) are not Linears to it, so they are max-calibrated without
-    // pre_quant_scale, one input quantizer per fused projection shared by every expert. mdist's
-    // experts are per-expert Linears and would be smoothed: refused rather than a wrong number.
-    throw InputError(
-        "mdist::quant: SmoothQuant on a mixture of experts is not supported yet (modelopt "
-        "smooths only its attention layers and quantizes its fused experts unsmoothed, which "
-        "mdist's per-expert layers do not reproduce); quantize it with int8 or fp8");
-  }
   if (config_.algorithm == "awq_lite" && model_->config.moe) {
     // modelopt 0.47 sees transformers 5's fused experts as no Linears (as for SmoothQuant).
     throw InputError(
         "mdist::quant: AWQ on a mixture of experts is not supported yet (modelopt quantizes "
         "its fused experts in a way mdist's per-expert layers do not reproduce)");
+  }
+  for (const auto& [prefix, experts] : hf::named_experts(model_)) {
+    expert_prefixes_.push_back(prefix + ".");
   }
   for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
     auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(item.value());
@@ -387,26 +384,24 @@ void ModelQuantizers::sync_amax(const QuantizeOptions& options) {
   const c10::Device device =
       linears_.empty() ? c10::Device(c10::kCPU) : linears_.front()->linear->weight.device();
   // Under expert parallelism the ranks hold different routed experts (under their global
-  // names): each is synced over the ranks that hold it, everything else over data parallel.
-  std::vector<std::string> routed;
-  if (options.parallelism.expert_parallel) {
-    for (const auto& [prefix, experts] : hf::named_experts(model_)) routed.push_back(prefix + ".");
-  }
-  const auto is_routed = [&routed](const std::string& name) {
-    return std::any_of(routed.begin(), routed.end(),
-                       [&name](const std::string& prefix) { return name.starts_with(prefix); });
-  };
+  // names): each expert's weight amax is synced over the ranks that hold it; a block's shared
+  // expert input quantizers (share_fused_expert_quantizers) and everything else over data
+  // parallel, which spans the expert-parallel groups. A quantizer shared by several Linears is
+  // synced once, where its first Linear comes in module order (the same place on every rank:
+  // each rank holds some experts of every block).
+  const bool expert_parallel = options.parallelism.expert_parallel != nullptr;
+  std::set<const TensorQuantizerImpl*> seen;
   std::vector<detail::AmaxToSync> all, over_tp, over_edp;
   for (const auto& q : linears_) {
     const TpSplit split = tp_split(options.parallelism, q->name);
-    const bool expert = is_routed(q->name);
+    const bool expert = expert_parallel && is_routed_expert(q->name);
     for (const auto role : {QuantizerRole::input, QuantizerRole::weight}) {
       const TensorQuantizer& quantizer =
           role == QuantizerRole::input ? q->input_quantizer : q->weight_quantizer;
-      if (!quantizer->is_enabled()) continue;
+      if (!quantizer->is_enabled() || !seen.insert(quantizer.get()).second) continue;
       const std::string name =
           q->name + (role == QuantizerRole::input ? ".input_quantizer" : ".weight_quantizer");
-      (expert ? over_edp : all).push_back({name, quantizer});
+      (expert && role == QuantizerRole::weight ? over_edp : all).push_back({name, quantizer});
       if (syncs_over_tp(split, role, quantizer->format())) over_tp.push_back({name, quantizer});
     }
     if (q->weight_quantizer_2 && q->weight_quantizer_2->is_enabled()) {
@@ -464,9 +459,10 @@ void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeO
     calibrate_awq(forward_loop, options, weights_from_forward);
     return;
   }
+  share_fused_expert_quantizers();
   for (const auto& q : linears_) {
-    q->collect_channels =
-        smoothquant && q->input_quantizer->is_enabled() && q->weight_quantizer->is_enabled();
+    q->collect_channels = smoothquant && q->input_quantizer->is_enabled() &&
+                          q->weight_quantizer->is_enabled() && !is_routed_expert(q->name);
   }
   set_mode(Mode::calibrate);
   if (!weights_from_forward) calibrate_weights_directly();
@@ -531,6 +527,8 @@ void ModelQuantizers::smooth(const ForwardLoop& forward_loop, const QuantizeOpti
     const QuantFormat& x = q->input_quantizer->format();
     const QuantFormat& w = q->weight_quantizer->format();
     if (!x.is_integer() || x.num_bits() != 8 || !w.is_integer() || w.num_bits() != 8) continue;
+    // modelopt's SmoothQuant smooths nn.Linear modules; transformers 5's fused experts are none.
+    if (is_routed_expert(q->name)) continue;
     if (!q->act_channel_amax.defined()) {
       throw Error("mdist::quant: SmoothQuant: " + q->name +
                   " never ran in the calibration loop; its input has no per-channel maximum");
@@ -600,6 +598,51 @@ void ModelQuantizers::smooth(const ForwardLoop& forward_loop, const QuantizeOpti
   for (QuantizedLinear* q : smoothed) {
     q->act_channel_amax = at::Tensor();
     q->weight_channel_amax = at::Tensor();
+  }
+}
+
+bool ModelQuantizers::is_routed_expert(const std::string& linear) const {
+  return std::any_of(expert_prefixes_.begin(), expert_prefixes_.end(),
+                     [&linear](const std::string& prefix) { return linear.starts_with(prefix); });
+}
+
+// modelopt's _QuantFusedExperts on mdist's per-expert Linears ("<prefix>E.gate_proj"): each
+// shared role gets one quantizer, configured as modelopt configures it, by its fused name
+// (per-expert weight quantizers "gate_up_proj_weight_quantizers.E" match the rules as
+// "gate_up_proj_weight_quantizer", modelopt's _normalize_fused_experts_quantizer_name; the
+// experts module is no nn.Linear to parent_class rules). Shared objects calibrate as one: their
+// running max covers every expert's inputs, or an expert's gate and up weights.
+void ModelQuantizers::share_fused_expert_quantizers() {
+  const auto make = [&](const std::string& name, QuantizerRole role) {
+    return make_quantizer(config_.resolve(name, kFusedExpertsClass, role),
+                          config_.pass_through_bwd);
+  };
+  for (const std::string& prefix : expert_prefixes_) {
+    const TensorQuantizer gate_up_input =
+        make(prefix + "gate_up_proj_input_quantizer", QuantizerRole::input);
+    const TensorQuantizer down_input =
+        make(prefix + "down_proj_input_quantizer", QuantizerRole::input);
+    std::map<std::string, TensorQuantizer> gate_up_weight;  // expert index -> its quantizer
+    for (const auto& q : linears_) {
+      if (!q->name.starts_with(prefix)) continue;
+      const std::string rest = q->name.substr(prefix.size());  // "E.gate_proj"
+      const std::string expert = rest.substr(0, rest.find('.'));
+      const bool down = rest.substr(rest.find('.') + 1) == "down_proj";
+      q->input_quantizer = down ? down_input : gate_up_input;
+      q->weight_quantizer_2 = TensorQuantizer{nullptr};
+      const std::string weight_name =
+          prefix + (down ? "down_proj" : "gate_up_proj") + "_weight_quantizer";
+      // One amax for the expert's [2I, H] gate and up rows where it is one number (per
+      // tensor, NVFP4's global amax); a per-row amax is each projection's own rows either way.
+      const TensorQuantizer weight = make(weight_name, QuantizerRole::weight);
+      const QuantFormat& format = weight->format();
+      if (down || format.axis() != Axis::per_tensor ||
+          format.block_kind() == BlockKind::static_blocks) {
+        q->weight_quantizer = weight;
+      } else {
+        q->weight_quantizer = gate_up_weight.emplace(expert, weight).first->second;
+      }
+    }
   }
 }
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -170,6 +171,59 @@ inline void expect_export_equals_modelopt(const std::filesystem::path& out, cons
   config["producer"].erase("version");
   modelopt_config["producer"].erase("version");
   EXPECT_EQ(config, modelopt_config);
+}
+
+// mdist's amax_state_dict() under modelopt's names for transformers 5's fused experts
+// (_QuantFusedExperts): a block's "<p>.experts.E.{gate,up}_proj.input_quantizer._amax" become
+// its one "<p>.experts.gate_up_proj_input_quantizer._amax" (and down_proj's likewise), an
+// expert's gate_proj and up_proj weight amaxes its "<p>.experts.gate_up_proj_weight_quantizers.
+// E._amax" (one number shared by both, or per row the gate rows then the up rows). Every other
+// name stays. `problems` gets a line for each amax that should be shared and is not.
+inline std::map<std::string, at::Tensor> with_fused_expert_names(
+    const std::map<std::string, at::Tensor>& amax, std::vector<std::string>& problems) {
+  std::map<std::string, at::Tensor> out;
+  std::map<std::string, std::pair<at::Tensor, at::Tensor>> gate_up;  // fused name -> gate, up
+  const auto put = [&](const std::string& name, const at::Tensor& value) {
+    const auto [it, first] = out.emplace(name, value);
+    if (!first && !at::equal(it->second.to(at::kFloat), value.to(at::kFloat))) {
+      problems.push_back(name + " differs between the experts sharing it");
+    }
+  };
+  for (const auto& [name, value] : amax) {
+    const auto experts = name.find(".experts.");
+    if (experts == std::string::npos) {
+      out.emplace(name, value);
+      continue;
+    }
+    const std::string block = name.substr(0, experts + 8);  // "<p>.experts"
+    const std::string rest = name.substr(experts + 9);      // "E.gate_proj.input_quantizer._amax"
+    const std::string expert = rest.substr(0, rest.find('.'));
+    const std::string projection =
+        rest.substr(expert.size() + 1, rest.find('.', expert.size() + 1) - expert.size() - 1);
+    const bool input = rest.ends_with(".input_quantizer._amax");
+    const std::string fused = projection == "down_proj" ? "down_proj" : "gate_up_proj";
+    if (input) {
+      put(block + "." + fused + "_input_quantizer._amax", value);
+    } else if (projection == "down_proj") {
+      out.emplace(block + ".down_proj_weight_quantizers." + expert + "._amax", value);
+    } else {
+      auto& pair = gate_up[block + ".gate_up_proj_weight_quantizers." + expert + "._amax"];
+      (projection == "gate_proj" ? pair.first : pair.second) = value;
+    }
+  }
+  for (const auto& [name, pair] : gate_up) {
+    if (!pair.first.defined() || !pair.second.defined()) {
+      problems.push_back(name + " lacks gate_proj's or up_proj's amax");
+      continue;
+    }
+    if (pair.first.numel() == 1) {
+      if (!at::equal(pair.first, pair.second)) problems.push_back(name + ": gate and up differ");
+      out.emplace(name, pair.first);
+    } else {
+      out.emplace(name, at::cat({pair.first, pair.second}, 0));
+    }
+  }
+  return out;
 }
 
 }  // namespace mdist::quant::testing

@@ -70,6 +70,21 @@
 // configuration enables (the tied head is no Linear module in mdist), calibration algorithms
 // other than max and smoothquant, expert parallelism with tensor parallelism.
 //
+// Mixtures of experts (calibrate, algorithms max and smoothquant): transformers 5 fuses a
+// sparse block's routed experts (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`) and
+// modelopt 0.47 quantizes them as one module (`_QuantFusedExperts`): one input quantizer per
+// fused projection shared by every expert of the block (`experts.gate_up_proj_input_quantizer`,
+// `experts.down_proj_input_quantizer`) and one weight quantizer per expert and fused projection
+// (`experts.gate_up_proj_weight_quantizers.E`: gate and up rows in one tensor). mdist's experts
+// stay per-expert Linears under the export's names (`experts.E.gate_proj`), and calibrate()
+// gives them shared quantizers configured by modelopt's fused names: every expert's gate_proj
+// and up_proj of a block share one input quantizer, every down_proj another; an expert's
+// gate_proj and up_proj share one weight quantizer where its amax is one number (per tensor,
+// NVFP4's global amax; a per-row amax is the rows' own either way). A shared input amax is synced
+// over the data-parallel group (the whole world under expert parallelism: the block's experts are
+// spread over it); the weight amaxes as each expert's. SmoothQuant leaves the routed experts
+// unsmoothed, as modelopt (they are no Linears to it).
+//
 // KV cache (kv_cache.h): where the config enables them (add_kv_cache_rules), each attention's
 // k_bmm_quantizer / v_bmm_quantizer are calibrated with the same max in the same loop, synced
 // over the data-parallel group and over the tensor-parallel group (the ranks hold different
@@ -212,12 +227,17 @@ class ModelQuantizers {
               bool weights_from_forward);
   void calibrate_awq(const ForwardLoop& forward_loop, const QuantizeOptions& options,
                      bool weights_from_forward);
+  // The routed experts' quantizers shared as modelopt's fused experts' (see above).
+  void share_fused_expert_quantizers();
+  bool is_routed_expert(const std::string& linear) const;
 
   hf::CausalLM model_;
   QuantConfig config_;
   std::vector<std::unique_ptr<QuantizedLinear>> linears_;
   std::vector<std::unique_ptr<QuantizedAttention>> attentions_;
   std::vector<nn::HookHandle> hooks_;
+  // Each sparse block's routed experts prefix ("model.layers.0.mlp.experts."), in model order.
+  std::vector<std::string> expert_prefixes_;
 };
 
 }  // namespace mdist::quant
