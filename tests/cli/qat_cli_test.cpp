@@ -313,10 +313,14 @@ TEST_F(QatCommand, TwoRanksMatchModelopt) {
 }
 
 TEST_F(QatCommand, TensorParallelMatchesModelopt) {
-  for (const std::string name : {"fp8", "int8"}) {
-    SCOPED_TRACE(name);
-    expect_matches_modelopt(name, 2, {"--tp", "2"});
-  }
+  expect_matches_modelopt("fp8", 2, {"--tp", "2"});
+  // Under tp the activations after a row-parallel all-reduce differ from one process's in their
+  // last bits, and an INT8 activation can land one code (amax / 127) away; 5 steps carry that
+  // on. The quantizer state, where a wrong sync rule would show, stays within 4.2e-7 relative
+  // of modelopt's (bound 1e-5); the losses and weights are bounded by that one-code effect:
+  // measured 1.5e-3 relative and 1.0e-3 on an AVX-512 AMD EPYC (1.7e-7 and 1.2e-6 where the test
+  // was written, without the flip).
+  expect_matches_modelopt("int8", 2, {"--tp", "2"}, kLlama, 5e-3, 5e-3);
 }
 
 // Qwen3 (GQA, q/k norms, an untied unquantized lm_head) on 1 rank, FSDP2 over 4 ranks and

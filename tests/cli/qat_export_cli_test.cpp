@@ -133,7 +133,9 @@ class QatExportCommand : public MdistCommand {
 
     // The run's last held-out loss is the fake-quantized model's; the export's read-back
     // dequantizes weights rounded by the export's arithmetic (a division by the scale where fake
-    // quant multiplies by its reciprocal), so it may differ by the odd code one step apart.
+    // quant multiplies by its reciprocal), so it may differ by the odd code one step apart:
+    // measured up to 9.6e-9 where the test was written, 3.3e-6 for int8 under tp 2 on an
+    // AVX-512 AMD EPYC (another CPU's kernels move which codes land one step apart).
     const auto held_out = metrics(run, "eval_loss");
     ASSERT_FALSE(held_out.empty());
     const double trained = held_out.back()["eval_loss"].get<double>();
@@ -143,7 +145,7 @@ class QatExportCommand : public MdistCommand {
               << (layout.empty() ? "" : " " + layout.front() + " " + layout.back())
               << ": held-out loss of the run " << trained << ", of its export in mdist eval "
               << exported << " (relative gap " << gap << ")" << std::endl;
-    EXPECT_LE(gap, 1e-6);
+    EXPECT_LE(gap, 1e-5);
   }
 };
 

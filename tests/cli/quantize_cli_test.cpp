@@ -437,12 +437,13 @@ TEST_F(QuantizeCommand, SmoothQuantAlphaMatchesModelopt) {
 // SmoothQuant under --tp 2. The activations reaching a Linear after a row-parallel all-reduce
 // differ from one rank's in the last bits (another summation order), and SmoothQuant's scales
 // are per input channel maxima of them: the pre_quant_scale and weight_scale tensors from
-// layer 0's MLP onwards differ in the last bits (measured at most 1.1e-6 relative), the
-// exported int8 weights are equal, and both exports evaluate to the same loss. The fake-quant
-// held-out loss is exact on the Llama fixture; on the Qwen3 one it is 2.6e-4 relative apart:
-// layer 0's down_proj weight amax, 1e-7 apart, puts one fake-quant weight code on the other
-// side of a rounding boundary (the export's division by the scale does not flip it), and the
-// INT8 activations after it carry that on. Reported, bounded by the quantization effect.
+// layer 0's MLP onwards differ in the last bits (measured at most 1.1e-6 relative where the
+// test was written, 2.6e-6 on an AVX-512 AMD EPYC), which can put an exported int8 code one
+// step away (none on the first machine; the Llama's up_proj on the EPYC), and a fake-quant
+// weight code or an INT8 activation on the other side of a rounding boundary: the held-out
+// losses were exact on the Llama and 2.6e-4 relative apart on the Qwen3 there, 1.05e-4 apart
+// on the Llama on the EPYC. Checked: codes at most one step apart and at most 0.1 % of them,
+// the losses within a tenth of quantization's own effect.
 TEST_F(QuantizeCommand, SmoothQuantTensorParallelGivesOneRanksExport) {
   for (const std::string arch : {"llama", "qwen3"}) {
     SCOPED_TRACE(arch);
@@ -451,10 +452,20 @@ TEST_F(QuantizeCommand, SmoothQuantTensorParallelGivesOneRanksExport) {
     const hf::SafetensorsFile a(tp / "model.safetensors"), e(one / "model.safetensors");
     ASSERT_EQ(a.names(), e.names());
     int differing_scales = 0;
+    int64_t codes = 0, codes_one_step = 0;
     for (const auto& name : e.names()) {
       const at::Tensor x = a.tensor(name), y = e.tensor(name);
       ASSERT_EQ(x.scalar_type(), y.scalar_type()) << name;
       ASSERT_EQ(x.sizes(), y.sizes()) << name;
+      if (x.scalar_type() == at::kChar) {
+        // INT8 codes of weights whose per-row scales moved in their last bits: at most one
+        // step apart, and at most 0.1 % of them (the rule for a changed summation).
+        const at::Tensor step = (x.to(at::kInt) - y.to(at::kInt)).abs();
+        EXPECT_LE(step.max().item<int>(), 1) << name;
+        codes += x.numel();
+        codes_one_step += step.gt(0).sum().item<int64_t>();
+        continue;
+      }
       if (x.scalar_type() != at::kFloat || !name.ends_with("_scale")) {
         EXPECT_TRUE(at::equal(x, y)) << name << " differs from one rank's";
         continue;
@@ -464,8 +475,9 @@ TEST_F(QuantizeCommand, SmoothQuantTensorParallelGivesOneRanksExport) {
       const double worst = ((x.to(at::kDouble) - y.to(at::kDouble)).abs() / y.to(at::kDouble).abs())
                                .max()
                                .item<double>();
-      EXPECT_LE(worst, 2e-6) << name;
+      EXPECT_LE(worst, 5e-6) << name;
     }
+    EXPECT_LE(codes_one_step * 1000, codes) << codes_one_step << " of " << codes;
     expect_same_quant_config(tp, one);
     const auto eval_of = [&](const fs::path& dir) {
       const std::string data = tokens(arch, "eval_ids").string();
@@ -478,16 +490,16 @@ TEST_F(QuantizeCommand, SmoothQuantTensorParallelGivesOneRanksExport) {
     const double after_one = report(one)["loss_after"].get<double>();
     const double before = report(one)["loss_before"].get<double>();
     std::cout << "[ measured ] " << arch << " int8_sq tp 2: " << differing_scales
-              << " scale tensors differ from one rank's; export read back " << read_back_tp
-              << " vs " << read_back_one << "; fake-quant loss " << after_tp << " vs " << after_one
-              << " (" << relative(after_tp, after_one) << " relative)" << std::endl;
-    EXPECT_LE(relative(read_back_tp, read_back_one), 1e-6);
+              << " scale tensors differ from one rank's, " << codes_one_step << " of " << codes
+              << " int8 codes one step apart; export read back " << read_back_tp << " vs "
+              << read_back_one << "; fake-quant loss " << after_tp << " vs " << after_one << " ("
+              << relative(after_tp, after_one) << " relative)" << std::endl;
     EXPECT_LE(relative(report(tp)["loss_before"].get<double>(), before), 1e-6);
-    if (arch == "llama") {
-      EXPECT_LE(relative(after_tp, after_one), 1e-6);
-    } else {
-      EXPECT_LE(std::abs(after_tp - after_one), 0.1 * std::abs(before - after_one));
-    }
+    // A code one step apart (in the export, or in the fake quant's weights and the INT8
+    // activations after them) moves the quantized losses: bounded by a tenth of quantization's
+    // own effect on the loss.
+    EXPECT_LE(std::abs(read_back_tp - read_back_one), 0.1 * std::abs(before - read_back_one));
+    EXPECT_LE(std::abs(after_tp - after_one), 0.1 * std::abs(before - after_one));
   }
 }
 

@@ -248,8 +248,11 @@ TEST_P(CachedDecoding, EqualsTheFullForwardWithAndWithoutLeftPadding) {
     for (const int64_t chunk : {1, 3}) {
       const double padded = cached_decoding_error(model, ids, mask, prefill, chunk);
       const double plain = cached_decoding_error(model, ids, {}, prefill, chunk);
-      EXPECT_LT(padded, 1e-5) << GetParam() << " prefill " << prefill << " chunk " << chunk;
-      EXPECT_LT(plain, 1e-5) << GetParam() << " prefill " << prefill << " chunk " << chunk;
+      // Absolute on logits up to about 8: the cached and full forwards run matmuls of other
+      // shapes, whose blocking (and so summation order) depends on the CPU's kernels:
+      // below 1e-5 where the test was written, 1.1e-5 on an AVX-512 AMD EPYC (Qwen2, 2026-12-07).
+      EXPECT_LT(padded, 3e-5) << GetParam() << " prefill " << prefill << " chunk " << chunk;
+      EXPECT_LT(plain, 3e-5) << GetParam() << " prefill " << prefill << " chunk " << chunk;
     }
   }
 }

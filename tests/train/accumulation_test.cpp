@@ -44,13 +44,15 @@ using mdist::train::Trainer;
 constexpr int kSteps = 3, kSeqLen = 8;
 constexpr std::int64_t kPerRank = 4;  // sequences per data-parallel rank per step
 // K micro-batches against one forward of their union: they differ only in the order of fp32
-// sums (per micro-batch, then accumulated), so the losses and the gradients agree to 1e-6 (the
-// gradients relative to each tensor's largest). The weights after AdamW steps agree to 1e-6
-// except where AdamW's first step, lr x g / (|g| + eps) with eps 1e-8, meets a gradient element
-// of the size of eps: there the fp32 rounding of g (measured: -8.38e-9 against -8.16e-9 in a
-// down_proj on 2 ranks, where the tensor's gradients reach 2.6e-3) moves the weight by 6.6e-6
-// at lr 1e-3. Any change of summation order (another rank count) does the same.
-constexpr double kLossTolerance = 1e-6, kGradientTolerance = 1e-6, kWeightTolerance = 2e-5;
+// sums (per micro-batch, then accumulated), so the losses agree to 1e-6 and the gradients to
+// 3e-6 relative to each tensor's largest (dense: at most 6.1e-7; the MoE's, whose expert
+// gradients are sums over fewer routed tokens times router weights: 1.4e-6 on an AVX-512 AMD
+// EPYC, below 1e-6 on the machine the test was written on). The weights after AdamW steps agree to
+// 1e-6 except where AdamW's first step, lr x g / (|g| + eps) with eps 1e-8, meets a gradient
+// element of the size of eps: there the fp32 rounding of g (measured: -8.38e-9 against -8.16e-9 in
+// a down_proj on 2 ranks, where the tensor's gradients reach 2.6e-3) moves the weight by 6.6e-6 at
+// lr 1e-3. Any change of summation order (another rank count) does the same.
+constexpr double kLossTolerance = 1e-6, kGradientTolerance = 3e-6, kWeightTolerance = 2e-5;
 
 LlamaConfig fixture(const std::string& arch) {
   return LlamaConfig::from_file(std::string(MDIST_HF_MODEL_FIXTURES) + "/" + arch + "/config.json");
