@@ -15,7 +15,7 @@
 variants="${VARIANTS:-plain fp8 int8 qad_fp8}"
 calib="${CALIB_SEQUENCES:-64}"
 [[ "$param_dtype" == fp32 ]] ||
-  { echo "QAT=1 runs fp32 only (mdist train --quant with --param-dtype bf16 is not built)" >&2; exit 1; }
+  { echo "QAT=1 runs fp32 only (its bf16 rows are not written yet)" >&2; exit 1; }
 [[ $python_ok -eq 1 ]] || { echo "QAT=1 needs the bench venv (it writes the model)" >&2; exit 1; }
 model="$work/model"
 "$venv/bin/python" bench/train_qat.py --write-model "$model" --seed "$seed" ||
