@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mdist/error.h"
+#include "src/quant/fake_quant_cpu.h"
 #include "src/quant/layout.h"
 
 namespace mdist::quant {
@@ -27,8 +28,9 @@ std::string shape_str(const at::Tensor& t) {
 }
 
 // `_tensor_quant`: integer fake quant with an amax that broadcasts against x.
+// `kernel`: the one-pass CPU kernel may compute the elementwise part (fake_quant_cpu.h).
 at::Tensor integer_fake_quant(const at::Tensor& x, const at::Tensor& amax,
-                              const QuantFormat& format) {
+                              const QuantFormat& format, bool kernel) {
   if (format.is_unsigned() && x.numel() > 0 && x.min().item<double>() < 0.0) {
     throw Error("mdist::quant: " + format.str() + " got negative inputs");
   }
@@ -51,19 +53,28 @@ at::Tensor integer_fake_quant(const at::Tensor& x, const at::Tensor& amax,
     tiny = amax_f <= kTinyAmax;
     scale.masked_fill_(tiny, 0.0);
   }
+  // Unsigned formats keep the ATen path: their lower bound 0 makes the sign of a clamped zero
+  // depend on the vectorized max's operand order.
+  if (kernel && !format.is_unsigned() && detail::cpu_kernel_applies(x, scale)) {
+    const at::Tensor divisor = any_tiny ? scale.masked_fill(tiny, 1.0) : scale;
+    return detail::integer_fake_quant_cpu(x, scale, divisor, min_bound, bound);
+  }
   at::Tensor outputs = at::clamp(at::round(inputs * scale), min_bound, bound);
   if (any_tiny) scale.masked_fill_(tiny, 1.0);
   return (outputs / scale).to(x.scalar_type());
 }
 
 // `_fp8_eager`: E4M3 fake quant with an amax that broadcasts against x.
-at::Tensor e4m3_fake_quant(const at::Tensor& x, const at::Tensor& amax) {
+at::Tensor e4m3_fake_quant(const at::Tensor& x, const at::Tensor& amax, bool kernel) {
   const at::Tensor amax_f = amax.to(at::kFloat);
   const at::Tensor safe_amax = at::where(amax_f <= kTinyAmax, at::ones_like(amax_f), amax_f);
   // Python's `448.0 / safe_amax` and `1 / scale` are Tensor.__rtruediv__: reciprocal, then
   // a multiplication (by 1, exact, for the second).
   const at::Tensor scale = at::reciprocal(safe_amax) * 448.0;
   const at::Tensor scale_inv = at::reciprocal(scale);
+  if (kernel && detail::cpu_kernel_applies(x, scale)) {
+    return detail::e4m3_fake_quant_cpu(x, scale, scale_inv);
+  }
   const at::Tensor scaled = (x.to(at::kFloat) * scale).clamp(-448.0, 448.0);
   return (scaled.to(at::kFloat8_e4m3fn).to(at::kFloat) * scale_inv).to(x.scalar_type());
 }
@@ -80,19 +91,24 @@ at::Tensor e2m1_round_magnitude(const at::Tensor& a) {
   return at::where(a <= 0.25, 0.0, q);
 }
 
-at::Tensor nvfp4_forward(const at::Tensor& x, const at::Tensor& global_amax) {
+at::Tensor nvfp4_forward(const at::Tensor& x, const at::Tensor& global_amax, bool kernel) {
   constexpr int64_t block = 16;
   const auto shape = x.sizes().vec();
   const int64_t n = x.size(-1);
   const at::Tensor rows = x.reshape({-1, n});
-  const int64_t pad = (block - n % block) % block;
-  // The kernel loads a row's tail past n as zeros.
-  const at::Tensor tile =
-      at::constant_pad_nd(rows.to(at::kFloat), {0, pad}, 0.0).reshape({rows.size(0), -1, block});
   // The wrapper's `global_amax.float() / (6.0 * 448.0)`: a division by a Python scalar.
   const at::Tensor global_scale = global_amax.to(at::kFloat) / 2688.0;
   const at::Tensor safe_global_scale =
       at::where(global_scale > 0.0, global_scale, at::scalar_tensor(1e-12, global_scale.options()));
+  if (kernel && detail::cpu_kernel_applies(x, global_scale)) {
+    // The same fp32 factors the ATen ops below use: the global scale and `gs * 6.0`.
+    return detail::nvfp4_fake_quant_cpu(x, safe_global_scale.item<float>(),
+                                        (safe_global_scale * 6.0).item<float>());
+  }
+  const int64_t pad = (block - n % block) % block;
+  // The kernel loads a row's tail past n as zeros.
+  const at::Tensor tile =
+      at::constant_pad_nd(rows.to(at::kFloat), {0, pad}, 0.0).reshape({rows.size(0), -1, block});
   const at::Tensor x_abs = tile.abs();
   const at::Tensor block_max = std::get<0>(x_abs.max(-1, /*keepdim=*/true));
   at::Tensor scale = (block_max / (safe_global_scale * 6.0)).clamp_max(448.0);
@@ -140,11 +156,11 @@ at::Tensor broadcast_amax(const at::Tensor& x, const at::Tensor& amax, const Qua
 }
 
 // The elementwise part: x (in blocks for static blocks) against its broadcast amax.
-at::Tensor quantize_prepared(const at::Tensor& x, const at::Tensor& amax,
-                             const QuantFormat& format) {
-  if (format.is_nvfp4()) return nvfp4_forward(x, amax);
-  if (format.is_e4m3()) return e4m3_fake_quant(x, amax);
-  return integer_fake_quant(x, amax, format);
+at::Tensor quantize_prepared(const at::Tensor& x, const at::Tensor& amax, const QuantFormat& format,
+                             bool kernel = true) {
+  if (format.is_nvfp4()) return nvfp4_forward(x, amax, kernel);
+  if (format.is_e4m3()) return e4m3_fake_quant(x, amax, kernel);
+  return integer_fake_quant(x, amax, format, kernel);
 }
 
 // What fake_quant and fake_quant_ste share around the elementwise part.
@@ -175,6 +191,18 @@ at::Tensor fake_quant(const at::Tensor& x, const at::Tensor& amax, const QuantFo
       x.detach(), amax.detach(), format,
       [&](const at::Tensor& xs, const at::Tensor& a) { return quantize_prepared(xs, a, format); });
 }
+
+namespace detail {
+
+at::Tensor fake_quant_aten(const at::Tensor& x, const at::Tensor& amax, const QuantFormat& format) {
+  const at::NoGradGuard no_grad;
+  return with_layout(x.detach(), amax.detach(), format,
+                     [&](const at::Tensor& xs, const at::Tensor& a) {
+                       return quantize_prepared(xs, a, format, /*kernel=*/false);
+                     });
+}
+
+}  // namespace detail
 
 at::Tensor nvfp4_fake_quant(const at::Tensor& x, const at::Tensor& global_amax) {
   return fake_quant(x, global_amax, QuantFormat::nvfp4());

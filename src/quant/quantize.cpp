@@ -202,7 +202,12 @@ void ModelQuantizers::install_hooks(QuantizedLinear& q) {
         if (!q.weight_quantizer->is_enabled()) return;
         const bool second = q.weight_quantizer_2 && q.weight_quantizer_2->is_enabled();
         if (q.weight_quantizer->mode() == Mode::calibrate) {
-          q.weight_quantizer(q.linear->weight);  // collects; the weight stays as it is
+          const at::Tensor& w = q.linear->weight;
+          if (q.collected_weight.defined() && w.is_same(q.collected_weight) &&
+              w._version() == q.collected_version) {
+            return;  // this max was collected from these very values already
+          }
+          q.weight_quantizer(w);  // collects; the weight stays as it is
           if (second) q.weight_quantizer_2(q.linear->weight);
           return;
         }
@@ -288,6 +293,8 @@ void ModelQuantizers::calibrate_weights_directly() {
     if (q->weight_quantizer_2 && q->weight_quantizer_2->is_enabled()) {
       q->weight_quantizer_2(q->linear->weight);
     }
+    q->collected_weight = q->linear->weight;
+    q->collected_version = static_cast<int64_t>(q->linear->weight._version());
   }
 }
 
@@ -363,6 +370,8 @@ void ModelQuantizers::load_calib_amax(bool weights_from_forward) {
     }
   }
   for (const auto& q : linears_) {
+    q->collected_weight = at::Tensor();
+    q->collected_version = -1;
     q->input_quantizer->reset_calibration();
     q->weight_quantizer->reset_calibration();
     if (q->weight_quantizer_2) q->weight_quantizer_2->reset_calibration();

@@ -22,8 +22,18 @@ std::string shape_str(at::IntArrayRef shape) {
 
 // modelopt's `reduce_amax`: max(|max x|, |min x|) over `dims` (all when empty), keepdim, a
 // one-element result squeezed to 0-d; in x's dtype.
+// Both extremes come from one pass (aminmax): the same values as max() and min() apart.
 at::Tensor reduce_amax(const at::Tensor& x, bool per_tensor) {
-  if (per_tensor) return at::maximum(x.max().abs(), x.min().abs());
+  if (per_tensor) {
+    const auto [lowest, highest] = at::aminmax(x);
+    return at::maximum(highest.abs(), lowest.abs());
+  }
+  if (x.dim() == 2) {
+    const auto [lowest, highest] = at::aminmax(x, 1, /*keepdim=*/true);
+    at::Tensor amax = at::maximum(highest.abs(), lowest.abs());
+    if (amax.numel() == 1) amax.squeeze_();
+    return amax;
+  }
   std::vector<int64_t> dims;
   for (int64_t d = 1; d < x.dim(); ++d) dims.push_back(d);
   at::Tensor amax =

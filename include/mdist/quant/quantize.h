@@ -168,6 +168,11 @@ struct QuantizedLinear {
   TensorQuantizer weight_quantizer_2{nullptr};
   // The weight the Linear held before a quantized forward swapped in its fake-quantized copy.
   at::Tensor saved_weight;
+  // The weight the weight quantizers collected from before the forward loop (not under
+  // fully_shard) and its version counter: while the Linear still holds that tensor unchanged,
+  // the forwards' calibration skips collecting its max again (the same values, the same max).
+  at::Tensor collected_weight;
+  int64_t collected_version = -1;
 
   // SmoothQuant (algorithm "smoothquant"). While `collect_channels` is set, every forward
   // keeps the running max |x_c| per input channel (in the input's dtype) and the weight's
