@@ -15,14 +15,15 @@
 // nvfp4 (NVFP4_DEFAULT_CFG), int4_awq (INT4_AWQ_CFG) and w4a8_awq (W4A8_AWQ_BETA_CFG) need
 // every quantized Linear's in_features to be a multiple of their blocks (16, 128; checked
 // before loading). int4_awq and w4a8_awq calibrate with AWQ-lite (two passes over the
-// calibration data, three on the FSDP2-wrapped model: the folded weights' block amax is taken
-// in the third). --kv-cache fp8 adds modelopt's FP8_KV_CFG (quant::add_kv_cache_rules) to any
-// format. --ep E splits a mixture of experts' routed experts over expert-parallel groups as
-// `calibrate --ep` does (each expert's weight amax synced over the ranks holding it, a block's
-// shared expert input amax over data parallel, the export gathering them to rank 0); with fp8,
-// int8, nvfp4 and int8_sq (whose experts are not smoothed, as modelopt's fused experts; AWQ
-// refuses a mixture of experts). Not implemented yet (refused with one line, exit 2): --ep with
-// --tp, --param-dtype.
+// calibration data, then on the FSDP2-wrapped model one forward per rank, in which the folded
+// weights' block amax is taken; SmoothQuant's second pass is that one forward per rank too).
+// --kv-cache fp8 adds modelopt's FP8_KV_CFG (quant::add_kv_cache_rules) to any format. --ep E
+// splits a mixture of experts' routed experts over expert-parallel groups as `calibrate --ep`
+// does (each expert's weight amax synced over the ranks holding it, a block's shared expert
+// input amax over data parallel, the export gathering them to rank 0); with fp8, int8, nvfp4
+// and int8_sq (whose experts are not smoothed, as modelopt's fused experts; AWQ refuses a
+// mixture of experts). Not implemented yet (refused with one line, exit 2): --ep with --tp,
+// --param-dtype.
 //
 // Progress: on a terminal rank 0 redraws one line per phase in place (held-out loss before,
 // calibrating, SmoothQuant's smoothing pass, held-out loss after, exporting) with a count of
@@ -410,15 +411,22 @@ int run_quantize(const QuantizeOptions& o) {
       // SmoothQuant runs the loop a second time, over the smoothed weights; AWQ-lite a second
       // time for its search (and a third on the FSDP2 model, for the folded weights' amax).
       const bool awq = config.algorithm == "awq_lite";
+      // SmoothQuant's second pass and AWQ's third only take each folded weight's amax, in that
+      // Linear's first forward (quant::quantize throws if one did not run), and every such
+      // Linear runs in every forward (SmoothQuant leaves routed experts alone, AWQ refuses a
+      // mixture of experts): one forward per rank does it. The rest of the pass would repeat
+      // fake-quantized forwards that change no state.
+      const bool weight_amax_pass = passes == (awq ? 2 : 1);
       phase(passes == 0   ? "calibrating"
             : !awq        ? "smoothing pass"
             : passes == 1 ? "AWQ search pass"
                           : "AWQ weight amax pass",
-            calib_total);
+            weight_amax_pass ? data_parallel : calib_total);
       ++passes;
       const Group dp = layout.parallel.data_parallel_group.group();
       const auto plan = train::plan_forwards(calib_total, mdist::size(dp), mdist::rank(dp), 1);
-      for (int64_t round = 0; round < plan.rounds; ++round) {
+      const int64_t rounds = weight_amax_pass ? std::min<int64_t>(plan.rounds, 1) : plan.rounds;
+      for (int64_t round = 0; round < rounds; ++round) {
         const bool real = round < static_cast<int64_t>(plan.windows.size());
         // A repeat of the first sequence counts in no mean (AWQ's statistics).
         std::optional<quant::UncountedForward> uncounted;

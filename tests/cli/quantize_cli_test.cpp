@@ -171,8 +171,9 @@ std::vector<std::string> settled_lines(std::string out) {
 }
 
 // On a terminal (the launcher's stdout a pseudo-terminal: MDIST_STDOUT_IS_TTY=1 on every rank)
-// rank 0 alone draws each phase with its count, SmoothQuant's second pass included; the other
-// lines are those of a run into a pipe, which shows no progress at all.
+// rank 0 alone draws each phase with its count, SmoothQuant's second pass included (one
+// forward per rank: 2 of 2); the other lines are those of a run into a pipe, which shows no
+// progress at all.
 TEST_F(QuantizeCommand, ShowsProgressOnATerminalOnly) {
   const fs::path calib = tokens("qwen3", "calib"), eval = tokens("qwen3", "eval_ids");
   const fs::path out = dir_ / "out";
@@ -203,7 +204,7 @@ TEST_F(QuantizeCommand, ShowsProgressOnATerminalOnly) {
   for (const std::string& line :
        {"held-out loss before quantization " + held_out + "/" + held_out + " sequences",
         "calibrating " + sequences + "/" + sequences + " sequences",
-        "smoothing pass " + sequences + "/" + sequences + " sequences",
+        std::string("smoothing pass 2/2 sequences"),
         "held-out loss after quantization " + held_out + "/" + held_out + " sequences",
         std::string("exporting")}) {
     EXPECT_THAT(terminal.out, HasSubstr("[rank0]: mdist quantize: " + line + " | "))
