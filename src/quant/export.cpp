@@ -528,7 +528,12 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
            q->smoothing.defined() ? whole_channels(*q, q->smoothing, parallelism) : at::Tensor(),
            whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism),
            layer_format(*q) == LayerFormat::w4a8_awq ? q->input_quantizer->amax().cpu()
-                                                     : at::Tensor()});
+                                                     : at::Tensor(),
+           // Under tensor parallelism each rank's block amax covers its shard only: there the
+           // blocks are the weight's own (quantize() calibrates them so; QAT refuses --tp).
+           parallelism.tensor_parallel_split()
+               ? at::Tensor()
+               : whole_weight_amax(*q, parallelism).detach().cpu()});
     } else if (q->smoothing.defined()) {
       smoothing[q->name] = {whole_channels(*q, q->smoothing, parallelism),
                             whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism)};
