@@ -65,6 +65,13 @@ QatRun find_qat_run(const fs::path& run, const std::string& flag) {
     found.description = quant->second;
     // describe_qat: the format, then its details after a space.
     found.format = quant->second.substr(0, quant->second.find(' '));
+    // describe_qat names --kv-cache F as "kv-cache F, " among the details. The export must
+    // insert the KV cache's quantizers as the run did, or their k/v scales are not written.
+    const std::string kv = "kv-cache ";
+    if (const auto at = quant->second.find(kv); at != std::string::npos) {
+      const auto from = at + kv.size();
+      found.kv_cache = quant->second.substr(from, quant->second.find(',', from) - from);
+    }
   } catch (const Error& error) {  // an InputError above, or a file that does not parse
     throw InputError(flag + " '" + run.string() + "': " + error.what());
   }

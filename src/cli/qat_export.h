@@ -30,6 +30,7 @@ struct QatRun {
   std::filesystem::path checkpoint;  // the HF directory with kQatStateFile beside the weights
   std::string format;                // the run's --quant (fp8, int8, ...)
   std::string description;           // the run's quant line (describe_qat), for the log
+  std::string kv_cache;              // the run's --kv-cache (empty: the KV cache not quantized)
 };
 
 // RUN: a run directory of `mdist train` (its latest complete checkpoint) or a checkpoint

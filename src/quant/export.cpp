@@ -529,9 +529,13 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
            whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism),
            layer_format(*q) == LayerFormat::w4a8_awq ? q->input_quantizer->amax().cpu()
                                                      : at::Tensor(),
-           // Under tensor parallelism each rank's block amax covers its shard only: there the
-           // blocks are the weight's own (quantize() calibrates them so; QAT refuses --tp).
-           parallelism.tensor_parallel_split()
+           // The calibrated block amax only where the parameter already holds AWQ's fold (a
+           // quantization-aware run: folded before training, amax frozen while the weight
+           // moved). Post-training, the parameter is unsmoothed and the block max of the
+           // weight smoothed here is what the PTQ export writes (the forward's amax, of the
+           // weight smoothed in its own op order, can be an ulp apart). Under tensor
+           // parallelism each rank's block amax covers its shard only (QAT refuses --tp).
+           q->smoothing.defined() || parallelism.tensor_parallel_split()
                ? at::Tensor()
                : whole_weight_amax(*q, parallelism).detach().cpu()});
     } else if (q->smoothing.defined()) {
