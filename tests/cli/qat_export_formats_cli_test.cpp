@@ -3,7 +3,8 @@
 // the same model, data, calibration, optimizer and steps, then export_hf_checkpoint):
 //  - `mdist train --quant F --export-quantized DIR` equals modelopt's export tensor by tensor:
 //    the same names, dtypes and shapes; the trained weights differ from modelopt's by the QAT
-//    tolerance (qat_cli_test.cpp), so floating-point tensors are held to it and the integer
+//    tolerance (qat_cli_test.cpp), so floating-point tensors are held to it (weights absolute,
+//    scales relative) and the integer
 //    and fp8 codes computed from them may be one step apart, at most 0.1 % of a tensor's (as
 //    quantize_cli_test.cpp's rule for exports of inputs that are not bit-equal); counted and
 //    printed;
@@ -61,7 +62,7 @@ fs::path modelopt_export(const Case& c) { return c.expected.parent_path() / ("ex
 // apart differ by 1: INT4 nibbles (two's complement), NVFP4 nibbles (sign and magnitude index,
 // ±0 the same step), E4M3 bytes of positive block scales (monotonic in their bits).
 std::vector<int> codes(const at::Tensor& t, const std::string& quant_algo) {
-  const at::Tensor bytes = t.contiguous().view(at::kByte).flatten();
+  const at::Tensor bytes = t.contiguous().flatten().view(at::kByte);
   const auto* p = bytes.data_ptr<uint8_t>();
   std::vector<int> out;
   if (t.scalar_type() != at::kByte) {  // fp8 / int8 elements
@@ -84,14 +85,15 @@ std::vector<int> codes(const at::Tensor& t, const std::string& quant_algo) {
 
 // `actual`'s model.safetensors against modelopt's `expected`: the same names, dtypes and
 // shapes; floating-point tensors (f32: the trained unquantized weights, scales) within
-// `bound` relative per element; the codes of quantized tensors (uint8 packed, fp8 weights and
-// block scales) at most one step apart, at most 0.1 % of each tensor's. Prints what differs.
+// `bound` per element (weights absolute, scales relative); the codes of quantized tensors (uint8
+// packed, fp8 weights and block scales) at most one step apart, at most 0.1 % of each tensor's.
+// Prints what differs.
 void expect_close_to_modelopt(const fs::path& actual, const fs::path& expected,
                               const std::string& quant_algo, double bound) {
   const hf::SafetensorsFile a(actual / "model.safetensors"), e(expected / "model.safetensors");
   EXPECT_EQ(a.names(), e.names());
   int equal = 0, total = 0;
-  double worst = 0;
+  double worst = 0, worst_scale = 0;
   int64_t differing_codes = 0, all_codes = 0;
   for (const auto& name : e.names()) {
     if (!a.contains(name)) continue;
@@ -100,16 +102,20 @@ void expect_close_to_modelopt(const fs::path& actual, const fs::path& expected,
     EXPECT_EQ(x.scalar_type(), y.scalar_type()) << name;
     EXPECT_EQ(x.sizes(), y.sizes()) << name;
     if (x.scalar_type() != y.scalar_type() || x.sizes() != y.sizes()) continue;
-    if (at::equal(x.contiguous().view(at::kByte), y.contiguous().view(at::kByte))) {
+    // flatten(): a 0-dim tensor (weight_scale_2, k_scale, ...) has no byte view.
+    if (at::equal(x.contiguous().flatten().view(at::kByte),
+                  y.contiguous().flatten().view(at::kByte))) {
       ++equal;
       continue;
     }
     if (at::isFloatingType(x.scalar_type()) && x.element_size() >= 2) {
+      // Scales relative; the trained weights, biases and norms absolute, as qat_cli_test.cpp
+      // bounds the trained weights (a bias near 0 has no meaningful relative error).
+      const bool scale = name.find("scale") != std::string::npos;
+      const at::Tensor d = (x.to(at::kDouble) - y.to(at::kDouble)).abs();
       const double r =
-          ((x.to(at::kDouble) - y.to(at::kDouble)).abs() / y.to(at::kDouble).abs().clamp_min(1e-30))
-              .max()
-              .item<double>();
-      worst = std::max(worst, r);
+          (scale ? d / y.to(at::kDouble).abs().clamp_min(1e-30) : d).max().item<double>();
+      (scale ? worst_scale : worst) = std::max(scale ? worst_scale : worst, r);
       EXPECT_LE(r, bound) << name;
       continue;
     }
@@ -125,9 +131,10 @@ void expect_close_to_modelopt(const fs::path& actual, const fs::path& expected,
     EXPECT_LE(static_cast<double>(differing), 1e-3 * static_cast<double>(cx.size())) << name;
   }
   std::cout << "[ measured ] " << actual.filename().string() << " vs modelopt's export: " << equal
-            << " of " << total << " tensors bit-equal, floating-point ones within " << worst
-            << " relative (bound " << bound << "), " << differing_codes << " of " << all_codes
-            << " quantized codes one step apart" << std::endl;
+            << " of " << total << " tensors bit-equal, weights within " << worst
+            << " absolute, scales within " << worst_scale << " relative (bound " << bound << "), "
+            << differing_codes << " of " << all_codes << " quantized codes one step apart"
+            << std::endl;
   auto ac = json_file(actual / "hf_quant_config.json");
   auto ec = json_file(expected / "hf_quant_config.json");
   ac.erase("producer");
@@ -259,6 +266,7 @@ class QatExportFormatsCommand : public MdistCommand {
 // qat_export_cli_test.cpp.
 TEST_F(QatExportFormatsCommand, Fp8KvCacheEqualsModelopt) {
   EXPECT_LE(check(kFp8Kv, 1, 1e-5), 1e-6);
+  EXPECT_LE(check(kFp8Kv, 2, 1e-5), 1e-6);
 }
 
 // NVFP4: weight_scale_2 from the frozen global amax (max over q/k/v and gate/up, as
@@ -275,10 +283,12 @@ TEST_F(QatExportFormatsCommand, Nvfp4EqualsModelopt) {
 // the export another quantized model than the run's fake-quantized one: the gap in mdist eval
 // is that change, not rounding alone (measured).
 TEST_F(QatExportFormatsCommand, Int4AwqEqualsModelopt) {
-  EXPECT_LE(check(kAwq, 1, 1e-5), 1e-2);
+  // Measured 7.1e-2 (the run 7.30675, the export 7.82896), and modelopt's export of its own
+  // run reads back within 1e-7 of ours: the re-fold's change, in modelopt's export too.
+  EXPECT_LE(check(kAwq, 1, 1e-5), 8e-2);
   // 2 ranks: a handful of trained weights end up to 3.8e-5 apart from modelopt's
   // (qat_cli_test.cpp): checked at 1e-4.
-  EXPECT_LE(check(kAwq, 2, 1e-4), 1e-2);
+  EXPECT_LE(check(kAwq, 2, 1e-4), 8e-2);
 }
 
 }  // namespace
