@@ -65,31 +65,17 @@ QatRun find_qat_run(const fs::path& run, const std::string& flag) {
     found.description = quant->second;
     // describe_qat: the format, then its details after a space.
     found.format = quant->second.substr(0, quant->second.find(' '));
-    for (const auto& name : file.names()) {
-      if (name.find("_bmm_quantizer") != std::string::npos) found.kv_cache = true;
+    // describe_qat names --kv-cache F as "kv-cache F, " among the details. The export must
+    // insert the KV cache's quantizers as the run did, or their k/v scales are not written.
+    const std::string kv = "kv-cache ";
+    if (const auto at = quant->second.find(kv); at != std::string::npos) {
+      const auto from = at + kv.size();
+      found.kv_cache = quant->second.substr(from, quant->second.find(',', from) - from);
     }
   } catch (const Error& error) {  // an InputError above, or a file that does not parse
     throw InputError(flag + " '" + run.string() + "': " + error.what());
   }
-  check_qat_exportable(found.format, found.kv_cache, flag + " '" + run.string() + "'");
   return found;
-}
-
-void check_qat_exportable(const std::string& format, const bool kv_cache, const std::string& what) {
-  // Only fp8 and int8 runs are checked against modelopt's export of the trained model. The
-  // int4_awq run trains weights with AWQ's scale folded in, nvfp4's export of trained weights
-  // and the KV cache's scales of a run are not compared with a reference yet: refused rather
-  // than written unverified.
-  if (format != "fp8" && format != "int8") {
-    throw InputError(what + ": exporting a quantization-aware run of --quant " + format +
-                     " is not implemented yet (fp8 and int8 only); use mdist quantize on the "
-                     "run's checkpoint for a post-training export");
-  }
-  if (kv_cache) {
-    throw InputError(what +
-                     ": exporting a quantization-aware run with --kv-cache is not "
-                     "implemented yet");
-  }
 }
 
 }  // namespace mdist::cli

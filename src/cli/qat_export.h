@@ -30,18 +30,13 @@ struct QatRun {
   std::filesystem::path checkpoint;  // the HF directory with kQatStateFile beside the weights
   std::string format;                // the run's --quant (fp8, int8, ...)
   std::string description;           // the run's quant line (describe_qat), for the log
-  bool kv_cache = false;             // the run quantized the KV cache (--kv-cache)
+  std::string kv_cache;              // the run's --kv-cache (empty: the KV cache not quantized)
 };
-
-// InputError unless a run of --quant `format` (with a quantized KV cache when `kv_cache`) can
-// be exported: fp8 and int8 without the KV cache (the combinations measured against modelopt).
-// `what` names the input in the message.
-void check_qat_exportable(const std::string& format, bool kv_cache, const std::string& what);
 
 // RUN: a run directory of `mdist train` (its latest complete checkpoint) or a checkpoint
 // directory. InputError when it is neither, or when the checkpoint was not trained with
-// --quant (no kQatStateFile, or one that does not name its format), or by a run
-// check_qat_exportable refuses. `flag` names the option.
+// --quant (no kQatStateFile, or one that does not name its format). Every format of --quant,
+// with or without --kv-cache, exports. `flag` names the option.
 QatRun find_qat_run(const std::filesystem::path& run, const std::string& flag);
 
 }  // namespace mdist::cli

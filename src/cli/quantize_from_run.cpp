@@ -84,6 +84,7 @@ int run_quantize_from_run(const QuantizeOptions& o) {
   // preset, the amax of the checkpoint's state file. The backward does not matter here.
   TrainOptions run;
   run.quant = in.run.format;
+  run.kv_cache = in.run.kv_cache;
   const auto quantizers =
       resume_quantization_aware_training(run, model, built.parallelism, in.run.checkpoint);
   const int tp = layout.tensor_parallel();

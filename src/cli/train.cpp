@@ -221,7 +221,6 @@ void check_export_target(const TrainOptions& o) {
                      "' is the run directory --out; name another directory");
   }
   check_export_dir(*o.export_quantized, "--export-quantized");
-  check_qat_exportable(o.quant, !o.kv_cache.empty(), "--export-quantized");
 }
 
 // Every input of the run, checked on every rank and agreed on (one line from rank 0, exit 2,

@@ -528,7 +528,16 @@ void export_hf_checkpoint(hf::CausalLM& model, const ModelQuantizers& quantizers
            q->smoothing.defined() ? whole_channels(*q, q->smoothing, parallelism) : at::Tensor(),
            whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism),
            layer_format(*q) == LayerFormat::w4a8_awq ? q->input_quantizer->amax().cpu()
-                                                     : at::Tensor()});
+                                                     : at::Tensor(),
+           // The calibrated block amax only where the parameter already holds AWQ's fold (a
+           // quantization-aware run: folded before training, amax frozen while the weight
+           // moved). Post-training, the parameter is unsmoothed and the block max of the
+           // weight smoothed here is what the PTQ export writes (the calibrated block amax is
+           // not bit-equal to it on awq_test's fixtures; cause not traced). Under tensor
+           // parallelism each rank's block amax covers its shard only (QAT refuses --tp).
+           q->smoothing.defined() || parallelism.tensor_parallel_split()
+               ? at::Tensor()
+               : whole_weight_amax(*q, parallelism).detach().cpu()});
     } else if (q->smoothing.defined()) {
       smoothing[q->name] = {whole_channels(*q, q->smoothing, parallelism),
                             whole_channels(*q, q->input_quantizer->pre_quant_scale(), parallelism)};

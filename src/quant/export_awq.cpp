@@ -52,6 +52,7 @@ void export_int4_awq(const std::vector<AwqLayer>& layers, int64_t block_size, bo
     at::Tensor weight;
     at::Tensor pre_quant_scale;
     bool fused = false;
+    at::Tensor blocks_amax;    // [out, in / block]
     at::Tensor input_amax;     // W4A8
     at::Tensor weight_amax_2;  // W4A8: the FP8 stage's, max |W|
   };
@@ -71,8 +72,16 @@ void export_int4_awq(const std::vector<AwqLayer>& layers, int64_t block_size, bo
     state[layer.name] = {layer.smoothing.defined()
                              ? smoothed_weight(weight, layer.smoothing.to(weight.device()))
                              : weight,
-                         layer.pre_quant_scale.to(weight.device()), false,
-                         w4a8 ? layer.input_amax.to(weight.device()) : at::Tensor(), at::Tensor()};
+                         layer.pre_quant_scale.to(weight.device()),
+                         false,
+                         at::Tensor(),
+                         w4a8 ? layer.input_amax.to(weight.device()) : at::Tensor(),
+                         at::Tensor()};
+    Layer& added = state[layer.name];
+    added.blocks_amax = layer.weight_amax.defined()
+                            ? layer.weight_amax.to(weight.device())
+                                  .reshape({weight.size(0), weight.size(1) / block_size})
+                            : block_amax(added.weight, block_size);
     const std::string group = shared_input(layer.name).first;
     if (!groups.contains(group)) group_order.push_back(group);
     groups[group].push_back(layer.name);
@@ -90,6 +99,7 @@ void export_int4_awq(const std::vector<AwqLayer>& layers, int64_t block_size, bo
                         mean.to(at::kFloat))
                            .to(layer.weight.scalar_type());
         layer.pre_quant_scale = mean;
+        layer.blocks_amax = block_amax(layer.weight, block_size);
       }
       layer.fused = true;
     }
@@ -118,7 +128,7 @@ void export_int4_awq(const std::vector<AwqLayer>& layers, int64_t block_size, bo
   }
   for (const AwqLayer& layer : layers) {
     const Layer& s = state.at(layer.name);
-    const at::Tensor scale = scaling_factor(block_amax(s.weight, block_size), kInt4Bound);
+    const at::Tensor scale = scaling_factor(s.blocks_amax, kInt4Bound);
     const at::Tensor codes =
         (s.weight / scale.repeat_interleave(block_size, 1)).round().clamp(-8, 7).to(at::kChar);
     tensors[layer.name + ".weight"] = pack_int4(codes);

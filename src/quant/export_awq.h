@@ -22,6 +22,11 @@ struct AwqLayer {
   // W4A8_AWQ: the input quantizer's per-tensor amax (of the smoothed input); W4A16:
   // undefined.
   at::Tensor input_amax;
+  // The weight quantizer's block amax as calibrated (out * in / block elements; frozen through
+  // quantization-aware training, where the trained weight no longer has it as its block max):
+  // modelopt's weight_scale comes from it, unless the layer is re-folded below. Undefined: the
+  // block max of the folded weight (what max calibration of that weight gives).
+  at::Tensor weight_amax;
 };
 
 // modelopt's requantize_resmooth_fused_llm_layers, fuse_prequant_layernorm and
@@ -32,7 +37,9 @@ struct AwqLayer {
 //    weights' dtype); a layer whose scale differs is re-folded in fp32, W * old / mean, cast
 //    back; the mean is multiplied into the preceding RMSNorm's weight (input_layernorm,
 //    post_attention_layernorm; in its dtype) and their pre_quant_scales are not written;
-//  - per Linear: weight_scale f32 [out, in / block] = block amax (sanitised) / 7, weight uint8
+//  - per Linear: weight_scale f32 [out, in / block] = block amax (sanitised) / 7 (the
+//    calibrated `weight_amax`; a re-folded layer's recalibrated: the block max of its new
+//    weight, as _update_pre_quant_scale redoes the weight's max calibration), weight uint8
 //    [out / 2, in] = two int4 codes clamp(round_half_even(W / scale), -8, 7) of rows 2r (low
 //    nibble) and 2r + 1 (high nibble); o_proj and down_proj keep `pre_quant_scale`.
 // `w4a8` (W4A8_AWQ, the same weights and weight_scale) adds per Linear weight_scale_2 f32 [] =

@@ -8,6 +8,7 @@
 //  - `mdist train --quant F --model EXPORT` (modelopt's export or mdist's) continues QAT with
 //    the export's scales as amax: its first held-out loss equals the export's in `mdist eval`;
 //  - bad input: one line, exit 2, nothing written.
+// The int4_awq, nvfp4 and --kv-cache runs' exports: qat_export_formats_cli_test.cpp.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -233,13 +234,9 @@ TEST_F(QatExportCommand, ContinuesFromAnExportWithItsScales) {
 TEST_F(QatExportCommand, BadInputIsOneLineAndWritesNothing) {
   const fs::path qat = dir_ / "qat";
   const fs::path plain = dir_ / "plain";
-  const fs::path nvfp4 = dir_ / "nvfp4";
   {
     const auto r = mdist(1, qat_args("fp8", qat, {"--steps", "2"}));
     ASSERT_EQ(r.exit_code, 0) << describe(r);
-    // A run whose export is not implemented yet (only fp8 / int8 runs are measured).
-    const auto n = mdist(1, qat_args("nvfp4", nvfp4, {"--steps", "2"}));
-    ASSERT_EQ(n.exit_code, 0) << describe(n);
     std::vector<std::string> args = qat_args("fp8", plain, {"--steps", "2"});
     // The same run without --quant (and its --calib-sequences).
     args.erase(std::find(args.begin(), args.end(), "--quant"),
@@ -294,14 +291,6 @@ TEST_F(QatExportCommand, BadInputIsOneLineAndWritesNothing) {
        {"quantize", "--from-run", qat.string(), "--kv-cache", "fp8", "--out", out.string()},
        "--kv-cache does not apply to --from-run"},
       {"quantize", {"quantize", "--from-run", qat.string()}, "--out DIR is required"},
-      {"quantize",
-       {"quantize", "--from-run", nvfp4.string(), "--out", out.string()},
-       "exporting a quantization-aware run of --quant nvfp4 is not implemented yet"},
-      {"train", qat_args("nvfp4", dir_ / "run", {"--export-quantized", out.string()}),
-       "exporting a quantization-aware run of --quant nvfp4 is not implemented yet"},
-      {"train",
-       qat_args("fp8", dir_ / "run", {"--kv-cache", "fp8", "--export-quantized", out.string()}),
-       "exporting a quantization-aware run with --kv-cache is not implemented yet"},
       {"train", from_export("export_fp8", "nvfp4"),
        "continuing quantization-aware training from an export supports --quant fp8 and int8 only"},
       {"train", from_export("export_fp8", "int8"),

@@ -32,6 +32,11 @@ modelopt's default pass_through_bwd), "<format>_kv" (FP8_KV_CFG merged in) and
   <case>.<quantizer>._amax   the calibrated amax (frozen through training)
   <case>.<quantizer>._pre_quant_scale   AWQ's input scale (its 1/s folded into the weight
                                         before training, as modelopt folds it)
+The cases of EXPORTED also write export_<case>/ beside their file: modelopt's
+export_hf_checkpoint of the trained fake-quantized model right after its last step (fp32;
+model.safetensors, config.json, hf_quant_config.json; generation_config.json dropped, as mdist
+writes none), the unified checkpoint `mdist train --quant F --export-quantized` must equal
+(tests/cli/qat_export_cli_test.cpp). modelopt's export is pure torch: NVFP4's runs on CPU.
 """
 
 import copy
@@ -44,6 +49,7 @@ import transformers
 from safetensors.torch import save_file
 
 import modelopt.torch.quantization as mtq
+from modelopt.torch.export import export_hf_checkpoint
 from modelopt.torch.quantization import tensor_quant
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -151,7 +157,12 @@ def config_for(case):
     return cfg
 
 
-def run(case, train_ids, model_dir=MODEL):
+# The cases whose trained model is also exported (fp8 and int8 exports are checked against
+# mdist's own export of the run's checkpoint: their arithmetic is PTQ's, tested there).
+EXPORTED = ("int4_awq", "nvfp4", "fp8_kv")
+
+
+def run(case, train_ids, model_dir=MODEL, export_dir=None):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     calib = [train_ids[i : i + 1] for i in range(CALIB)]
@@ -189,6 +200,12 @@ def run(case, train_ids, model_dir=MODEL):
     for k, v in model.state_dict().items():
         if k in amax:
             assert torch.equal(v, amax[k]), k
+    if export_dir is not None:
+        # After the parameters are copied out: the export folds AWQ's scales into the norms of
+        # the model it is given.
+        model.config.architectures = [type(model).__name__]
+        export_hf_checkpoint(model, dtype=torch.float32, export_dir=str(export_dir))
+        (export_dir / "generation_config.json").unlink(missing_ok=True)
     return losses, after, amax
 
 
@@ -216,7 +233,8 @@ def main():
         train_ids = torch.randint(0, vocab, (WINDOWS, T), generator=gen)
         tensors = {"train_ids": train_ids}
         for case in cases:
-            losses, after, amax = run(case, train_ids, model_dir)
+            export_dir = out.parent / f"export_{case}" if case in EXPORTED else None
+            losses, after, amax = run(case, train_ids, model_dir, export_dir)
             print(out.parent.name, case, "losses", losses)
             tensors[f"{case}.losses"] = torch.tensor(losses, dtype=torch.float64)
             for name, value in after.items():
