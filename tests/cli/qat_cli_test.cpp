@@ -74,6 +74,9 @@ std::vector<std::string> case_flags(const std::string& name) {
 constexpr double kBf16LossBound = 3e-2;
 constexpr double kBf16WeightBound = 6e-3;
 constexpr double kBf16StateBound = 2e-2;
+constexpr double kBf16PlainFirstLossBound = 1e-6;
+constexpr double kBf16PlainLossBound = 1e-2;
+constexpr double kBf16PlainWeightBound = 6e-3;
 
 class QatCommand : public MdistCommand {
  protected:
@@ -128,6 +131,42 @@ class QatCommand : public MdistCommand {
     return args;
   }
 
+  // The worst loss (relative) and step-5 weight (absolute) gap of the run in `out` to the
+  // fixture's case `name`.
+  std::pair<double, double> gaps_to_fixture(const std::string& name, const fs::path& out,
+                                            const hf::SafetensorsFile& expected) {
+    const at::Tensor losses = expected.tensor(name + ".losses");
+    const auto steps = metrics(out);
+    EXPECT_EQ(static_cast<int64_t>(steps.size()), losses.numel());
+    double worst_loss = 0;
+    for (std::size_t i = 0; i < std::min<std::size_t>(steps.size(), losses.numel()); ++i) {
+      const double want = losses[static_cast<int64_t>(i)].item<double>();
+      worst_loss =
+          std::max(worst_loss, std::abs(steps[i]["loss"].get<double>() - want) / std::abs(want));
+    }
+    const hf::SafetensorsFile trained(out / "checkpoints" / "step-00000005" / "model.safetensors");
+    double worst_weight = 0;
+    int compared = 0;
+    for (const auto& key : expected.names()) {
+      if (!key.starts_with(name + ".") || key.ends_with("._amax") ||
+          key.ends_with("._pre_quant_scale") || key.ends_with(".losses"))
+        continue;
+      const std::string param = key.substr(name.size() + 1);
+      if (!trained.contains(param)) {
+        ADD_FAILURE() << param << " missing from the checkpoint";
+        continue;
+      }
+      const at::Tensor want = expected.tensor(key).to(at::kDouble);
+      const at::Tensor got = trained.tensor(param).to(at::kDouble);
+      EXPECT_EQ(got.sizes(), want.sizes()) << param;
+      if (got.sizes() != want.sizes()) continue;
+      worst_weight = std::max(worst_weight, (got - want).abs().max().item<double>());
+      ++compared;
+    }
+    EXPECT_GT(compared, 10);
+    return {worst_loss, worst_weight};
+  }
+
   // Runs the case ("fp8", "int8_clipped", "int4_awq", "fp8_kv", ...) of `fixture` on `ranks`
   // and compares with modelopt's run: the losses (relative), the weights (absolute) and the
   // quantizer state (relative) within the bounds given.
@@ -147,20 +186,10 @@ class QatCommand : public MdistCommand {
     EXPECT_THAT(r.out, HasSubstr("mdist train: quantization-aware training, --quant " + format));
 
     const hf::SafetensorsFile expected(fixture.expected);
-    const at::Tensor losses = expected.tensor(name + ".losses");
-    const auto steps = metrics(out);
-    ASSERT_EQ(static_cast<int64_t>(steps.size()), losses.numel());
-    double worst_loss = 0;
-    for (std::size_t i = 0; i < steps.size(); ++i) {
-      const double want = losses[static_cast<int64_t>(i)].item<double>();
-      worst_loss =
-          std::max(worst_loss, std::abs(steps[i]["loss"].get<double>() - want) / std::abs(want));
-    }
+    const auto [worst_loss, worst_weight] = gaps_to_fixture(name, out, expected);
     EXPECT_LE(worst_loss, loss_bound);
+    EXPECT_LE(worst_weight, weight_bound);
 
-    const hf::SafetensorsFile trained(out / "checkpoints" / "step-00000005" / "model.safetensors");
-    double worst_weight = 0;
-    int compared = 0;
     // The frozen quantizer state against modelopt's (amax, AWQ's pre_quant_scale).
     const hf::SafetensorsFile state_file(out / "checkpoints" / "step-00000005" /
                                          "qat_quantizers.safetensors");
@@ -187,23 +216,6 @@ class QatCommand : public MdistCommand {
     EXPECT_GT(states, 4);
     EXPECT_LE(worst_state, state_bound);
 
-    for (const auto& key : expected.names()) {
-      if (!key.starts_with(name + ".") || key.ends_with("._amax") ||
-          key.ends_with("._pre_quant_scale") || key.ends_with(".losses"))
-        continue;
-      const std::string param = key.substr(name.size() + 1);
-      if (!trained.contains(param)) {
-        ADD_FAILURE() << param << " missing from the checkpoint";
-        continue;
-      }
-      const at::Tensor want = expected.tensor(key).to(at::kDouble);
-      const at::Tensor got = trained.tensor(param).to(at::kDouble);
-      ASSERT_EQ(got.sizes(), want.sizes()) << param;
-      worst_weight = std::max(worst_weight, (got - want).abs().max().item<double>());
-      ++compared;
-    }
-    EXPECT_GT(compared, 10);
-    EXPECT_LE(worst_weight, weight_bound);
     std::cout << "[ measured ] " << fixture.expected.parent_path().filename().string() << " "
               << name << " on " << ranks << " rank(s)"
               << (more.empty() ? "" : " " + more.front() + " " + more.back()) << ": losses within "
@@ -433,6 +445,27 @@ TEST_F(QatCommand, Bf16MatchesModeloptOnFsdp2) {
               << losses << " relative, weights within " << weights << ", quantizer state within "
               << state << std::endl;
   }
+}
+
+// The same recipe without quantization (the fixture's "plain" case: torch FSDP2 with
+// MixedPrecisionPolicy(bf16, fp32), no mtq.quantize): mdist's bf16 forward alone against
+// PyTorch's. Its first loss, before any update, is PyTorch's within the loss reduction's
+// fp32 summation order; later steps inherit the backward and optimizer's (fp32 gradient norm,
+// AdamW) last-bit differences through bf16 rounding (see kBf16Plain*Bound).
+TEST_F(QatCommand, Bf16PlainTrainingMatchesTorchFsdp2) {
+  const fs::path out = dir_ / "bf16-plain";
+  const auto r = mdist(1, qat_args(out, {"--param-dtype", "bf16"}, kLlamaBf16));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const hf::SafetensorsFile expected(kLlamaBf16.expected);
+  const double first = metrics(out).at(0)["loss"].get<double>();
+  const double want = expected.tensor("plain.losses")[0].item<double>();
+  EXPECT_NEAR(first, want, kBf16PlainFirstLossBound * want);
+  const auto [losses, weights] = gaps_to_fixture("plain", out, expected);
+  EXPECT_LE(losses, kBf16PlainLossBound);
+  EXPECT_LE(weights, kBf16PlainWeightBound);
+  std::cout << "[ measured ] bf16 without quantization against torch FSDP2: first loss within "
+            << std::abs(first - want) / want << " relative, losses within " << losses
+            << ", weights within " << weights << std::endl;
 }
 
 // Resumed in the middle of bf16 QAT: the checkpoint's quantizers (fp32 weight amax, bf16
