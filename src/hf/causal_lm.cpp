@@ -193,13 +193,6 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
     out = softcapped_attention(q, repeat_kv(k, repeats), repeat_kv(v, repeats), mask, causal,
                                scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim))),
                                *softcap);
-  } else if (cache == nullptr && !mask.defined() && repeats > 1 && head_dim <= 256) {
-    // As transformers' sdpa_attention_forward without a mask: the kv heads stay grouped
-    // (enable_gqa) instead of repeated. The forward is the same bit for bit; the backward is
-    // not: repeat's backward sums the query heads' key and value gradients after each was
-    // rounded to the activations' dtype, so in bf16 the gradients differ from PyTorch's
-    // (docs/quantization.md, "bf16 compute").
-    out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, scale, /*enable_gqa=*/true);
   } else if (cache == nullptr) {
     k = repeat_kv(k, repeats);
     v = repeat_kv(v, repeats);
