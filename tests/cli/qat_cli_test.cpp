@@ -63,19 +63,27 @@ std::vector<std::string> case_flags(const std::string& name) {
   return flags;
 }
 
-// bf16 QAT against modelopt's on FSDP2 (Bf16MatchesModeloptOnFsdp2): measured, see
-// docs/quantization.md.
-// The weight amax is exact (checked apart); the input amax comes from bf16 activations, which
-// mdist's forward and transformers' compute a few bf16 steps apart (1.4e-2 relative measured,
-// a bf16 step being 2^-8..2^-7), and the losses follow (worst 2.2e-2 relative, nvfp4; fp8
-// 7.3e-3, int8 1.8e-3 / clipped 5.1e-3). The weight bound is weak: 5 AdamW steps of this
-// schedule move an element by at most 3.2e-3, so two runs can be 6.3e-3 apart at most
-// (measured 5.1e-3); it catches a run that trains something else, not rounding.
-constexpr double kBf16LossBound = 3e-2;
-constexpr double kBf16WeightBound = 6e-3;
-constexpr double kBf16StateBound = 2e-2;
+// bf16 QAT against modelopt's on FSDP2 (Bf16MatchesModeloptOnFsdp2), measured (see
+// docs/quantization.md, "bf16 compute"): on 1 rank, the same computation as torch's, so
+// fixture-class bounds (measured: losses 1.8e-7 relative, weights 1.2e-7, every input amax
+// equal). On 2 ranks each rank's bf16 weight gradient sums 2 sequences, rounded to bf16
+// before the fp32 reduce-scatter, where the 1-rank reference rounds the sum of 4 once: a
+// different bf16 computation, not a different recipe (measured: the first loss 4.5e-8,
+// losses 1.6e-3, weights 1.7e-3, input amax equal). The weight bound there is weak: 5 AdamW
+// steps of this schedule move an element by at most 3.2e-3, so two runs are at most 6.3e-3
+// apart.
+constexpr double kBf16LossBound = 1e-6;
+constexpr double kBf16WeightBound = 1e-6;
+constexpr double kBf16StateBound = 1e-6;
+constexpr double kBf16TwoRankLossBound = 5e-3;
+constexpr double kBf16TwoRankWeightBound = 6e-3;
+// The same recipe without quantization ("plain"), measured: the first loss 1.8e-7 relative
+// (its fp32 mean over 60 tokens against transformers' over 64 with 4 ignored), then losses
+// 2.9e-4 and weights 2.1e-3: the gradients differ (step-1 norm 5.8726859 against torch's
+// 5.8728361), which transformers itself reproduces when its sdpa repeats the kv heads, as
+// mdist does, instead of passing enable_gqa (docs/quantization.md).
 constexpr double kBf16PlainFirstLossBound = 1e-6;
-constexpr double kBf16PlainLossBound = 1e-2;
+constexpr double kBf16PlainLossBound = 1e-3;
 constexpr double kBf16PlainWeightBound = 6e-3;
 
 class QatCommand : public MdistCommand {
@@ -431,15 +439,15 @@ TEST_F(QatCommand, Bf16MatchesModeloptOnFsdp2) {
   }
   for (const std::string name : {"fp8", "int8"}) {
     SCOPED_TRACE(name + " on 2 ranks");
-    expect_matches_modelopt(name, 2, bf16, kLlamaBf16, kBf16WeightBound, kBf16LossBound,
-                            kBf16StateBound);
+    expect_matches_modelopt(name, 2, bf16, kLlamaBf16, kBf16TwoRankWeightBound,
+                            kBf16TwoRankLossBound, kBf16StateBound);
     // The two layouts against each other: the same calibration (max over the ranks, 0
-    // difference), and steps whose sequences are computed 2 per rank instead of 4 (bf16
-    // rounding again: losses 7.6e-3 relative, weights 1.8e-3 measured for fp8).
+    // difference), and steps whose sequences are computed 2 per rank instead of 4 (the 1-rank
+    // run being modelopt's, the same gaps as above).
     const auto [losses, weights, state] = compare_runs(dir_ / ("qat_llama-" + name + "-1-bf16"),
                                                        dir_ / ("qat_llama-" + name + "-2-bf16"));
-    EXPECT_LE(losses, kBf16LossBound);
-    EXPECT_LE(weights, kBf16WeightBound);
+    EXPECT_LE(losses, kBf16TwoRankLossBound);
+    EXPECT_LE(weights, kBf16TwoRankWeightBound);
     EXPECT_EQ(state, 0.0);
     std::cout << "[ measured ] bf16 " << name << " on 2 ranks against 1 rank: losses within "
               << losses << " relative, weights within " << weights << ", quantizer state within "
@@ -448,10 +456,9 @@ TEST_F(QatCommand, Bf16MatchesModeloptOnFsdp2) {
 }
 
 // The same recipe without quantization (the fixture's "plain" case: torch FSDP2 with
-// MixedPrecisionPolicy(bf16, fp32), no mtq.quantize): mdist's bf16 forward alone against
-// PyTorch's. Its first loss, before any update, is PyTorch's within the loss reduction's
-// fp32 summation order; later steps inherit the backward and optimizer's (fp32 gradient norm,
-// AdamW) last-bit differences through bf16 rounding (see kBf16Plain*Bound).
+// MixedPrecisionPolicy(bf16, fp32), no mtq.quantize): mdist's bf16 training alone against
+// PyTorch's. The first loss, before any update, is PyTorch's forward (within the loss's fp32
+// reduction order); the later steps differ by the attention backward (kBf16Plain*Bound).
 TEST_F(QatCommand, Bf16PlainTrainingMatchesTorchFsdp2) {
   const fs::path out = dir_ / "bf16-plain";
   const auto r = mdist(1, qat_args(out, {"--param-dtype", "bf16"}, kLlamaBf16));
