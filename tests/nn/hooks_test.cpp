@@ -71,10 +71,7 @@ TEST(Hooks, ALinearComputesAsPyTorchsLinear) {
   EXPECT_GT(differing, y.numel() / 10) << "libtorch's LinearImpl::forward rounds as at::linear";
   std::printf("[ measured ] bf16 Linear: %lld of %lld elements differ from LinearImpl::forward\n",
               static_cast<long long>(differing), static_cast<long long>(y.numel()));
-  // In fp32 the two are the same.
   linear->to(at::kFloat);
-  EXPECT_TRUE(
-      at::equal(mdist::nn::call(linear, x.to(at::kFloat)), linear->forward(x.to(at::kFloat))));
   const at::Tensor zero = at::zeros_like(linear->weight);
   auto pre = mdist::nn::register_forward_pre_hook(*linear, [&](torch::nn::Module& m, auto&) {
     static_cast<torch::nn::LinearImpl&>(m).weight = zero;
