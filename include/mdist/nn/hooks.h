@@ -129,8 +129,8 @@ R run_with_hooks(torch::nn::Module& module, Invoke&& invoke, Args&&... args) {
 // libtorch's LinearImpl::forward (torch::nn::functional::linear), which for an input of more
 // than 2 dims with a bias runs matmul, then adds the bias: the product is rounded to the
 // input's dtype before the bias is added, where at::linear's addmm over the flattened rows
-// rounds once. In fp32 identical here (measured); in bf16 about a third of the outputs differ,
-// the first difference of mdist's bf16 forward from PyTorch's
+// rounds once. Bit-identical in fp32; in bf16 a different result in about a third of the
+// elements, the first difference of mdist's bf16 forward from PyTorch's
 // (docs/quantization.md, "bf16 compute"). The weight and bias are read when the forward runs,
 // after the pre-hooks (which may swap them: quantization, tensor parallelism).
 template <class M, class... Args>
