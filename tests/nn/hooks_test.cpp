@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include <torch/torch.h>
 
 namespace {
@@ -46,6 +48,36 @@ TEST(Hooks, AHookedForwardReachedThroughCallRunsItsHooksOnce) {
   EXPECT_EQ(calls, 1);
   mdist::nn::call(outer, torch::randn({1, 3}));  // call() then forward's hooked(): still once
   EXPECT_EQ(calls, 2);
+  pre.remove();
+}
+
+// A Linear called through call() computes as PyTorch's nn.Linear (at::linear: for a 3-D input
+// with a bias, one addmm over the rows, one rounding), not as libtorch's LinearImpl::forward
+// (the product rounded to bf16, then the bias added): in bf16 the two differ, and that was
+// the first difference of mdist's bf16 forward from PyTorch's (docs/quantization.md). With a
+// pre-hook the weight it swaps in is the one used.
+TEST(Hooks, ALinearComputesAsPyTorchsLinear) {
+  torch::manual_seed(0);
+  torch::nn::Linear linear(torch::nn::LinearOptions(32, 48).bias(true));
+  linear->to(at::kBFloat16);
+  {
+    const at::NoGradGuard no_grad;
+    linear->bias.normal_();  // of the size of the products, so that the roundings matter
+  }
+  const at::Tensor x = torch::randn({4, 16, 32}).to(at::kBFloat16);
+  const at::Tensor y = mdist::nn::call(linear, x);
+  EXPECT_TRUE(at::equal(y, at::linear(x, linear->weight, linear->bias)));
+  const int64_t differing = y.ne(linear->forward(x)).sum().item<int64_t>();
+  EXPECT_GT(differing, y.numel() / 10) << "libtorch's LinearImpl::forward rounds as at::linear";
+  std::printf("[ measured ] bf16 Linear: %lld of %lld elements differ from LinearImpl::forward\n",
+              static_cast<long long>(differing), static_cast<long long>(y.numel()));
+  linear->to(at::kFloat);
+  const at::Tensor zero = at::zeros_like(linear->weight);
+  auto pre = mdist::nn::register_forward_pre_hook(*linear, [&](torch::nn::Module& m, auto&) {
+    static_cast<torch::nn::LinearImpl&>(m).weight = zero;
+  });
+  EXPECT_TRUE(
+      at::equal(mdist::nn::call(linear, x.to(at::kFloat)), linear->bias.expand({4, 16, 48})));
   pre.remove();
 }
 

@@ -25,7 +25,9 @@ The script checks those claims on the calibrated quantizers and prints what it f
 dtypes, and how many weight amaxes come from the fp32 master and how many from the bf16 copy).
 
 Per case "<format>" (FP8_DEFAULT_CFG, INT8_DEFAULT_CFG, NVFP4_DEFAULT_CFG; modelopt's default
-pass_through_bwd) and "<format>_clipped" (pass_through_bwd False):
+pass_through_bwd), "<format>_clipped" (pass_through_bwd False) and "plain" (no mtq.quantize: the
+same training without quantization, `mdist train --param-dtype bf16`, which separates the bf16
+forward's share of a gap from the quantization's):
   <case>.losses                f64 [STEPS]: each step's loss (before its update)
   <case>.<param>               f32: every parameter (the fp32 master) after the last step
   <case>.<quantizer>._amax     the calibrated amax in modelopt's dtype (frozen through training)
@@ -50,7 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import make_qat_fixtures as qat  # noqa: E402  (also rebinds NVFP4's kernel to the CPU reference)
 
 OUT = qat.OUT / "expected_bf16.safetensors"
-CASES = ("fp8", "int8", "int8_clipped", "nvfp4")
+CASES = ("fp8", "int8", "int8_clipped", "nvfp4", "plain")
 
 
 def weight_amax(w, per_row):
@@ -99,9 +101,10 @@ def run(case, train_ids, mesh):
             for ids in calib:
                 m(input_ids=ids)
 
-    mtq.quantize(model, qat.config_for(case), loop)
-    counts = check_calibration(model, masters)
-    print(case, "weight amax from the fp32 master / the bf16 copy / both equal:", counts)
+    if case != "plain":
+        mtq.quantize(model, qat.config_for(case), loop)
+        counts = check_calibration(model, masters)
+        print(case, "weight amax from the fp32 master / the bf16 copy / both equal:", counts)
     amax = {k: v.detach().clone() for k, v in model.state_dict().items() if k.endswith("._amax")}
     params = list(model.named_parameters())
     optimizer = torch.optim.AdamW(

@@ -17,7 +17,9 @@
 // (or a forward hook) throws after the pre-hooks ran, the module's error hooks run before the
 // exception goes on, so that state a pre-hook set up (FSDP's gathered parameters) is undone.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/linear.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
 
 #include <cstdint>
 #include <functional>
@@ -122,6 +124,23 @@ R run_with_hooks(torch::nn::Module& module, Invoke&& invoke, Args&&... args) {
     throw;
   }
 }
+
+// A module's forward. A Linear computes as PyTorch's nn.Linear does (at::linear), not as
+// libtorch's LinearImpl::forward (torch::nn::functional::linear), which for an input of more
+// than 2 dims with a bias runs matmul, then adds the bias: the product is rounded to the
+// input's dtype before the bias is added, where at::linear's addmm over the flattened rows
+// rounds once. Bit-identical in fp32; in bf16 a different result in about a third of the
+// elements, the first difference of mdist's bf16 forward from PyTorch's
+// (docs/quantization.md, "bf16 compute"). The weight and bias are read when the forward runs,
+// after the pre-hooks (which may swap them: quantization, tensor parallelism).
+template <class M, class... Args>
+auto forward_of(M& module, Args&&... args) {
+  if constexpr (std::is_same_v<std::remove_cv_t<M>, torch::nn::LinearImpl>) {
+    return at::linear(std::forward<Args>(args)..., module.weight, module.bias);
+  } else {
+    return module.forward(std::forward<Args>(args)...);
+  }
+}
 }  // namespace detail
 
 // Runs `body` (a member function of `module`) with `module`'s forward hooks around it.
@@ -137,10 +156,10 @@ R hooked(M& module, R (C::*body)(Params...), Args&&... args) {
 template <class Holder, class... Args>
 auto call(Holder& holder, Args&&... args) {
   auto& module = *holder;
-  using R = decltype(module.forward(std::forward<Args>(args)...));
+  using R = decltype(detail::forward_of(module, std::forward<Args>(args)...));
   return detail::run_with_hooks<R>(
       detail::base_of(module),
-      [&](auto&&... a) -> R { return module.forward(std::forward<decltype(a)>(a)...); },
+      [&](auto&&... a) -> R { return detail::forward_of(module, std::forward<decltype(a)>(a)...); },
       std::forward<Args>(args)...);
 }
 
