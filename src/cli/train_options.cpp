@@ -227,10 +227,6 @@ void check_quant_flags(const TrainOptions& o) {
                      "'");
   }
   check_at_least(o.calib_sequences, 0, "--calib-sequences");
-  if (o.io.expert_parallel != 1) {
-    throw InputError("--quant with --ep " + std::to_string(o.io.expert_parallel) +
-                     ": quantization-aware training does not support expert parallelism yet");
-  }
   if (o.io.sft()) {
     throw InputError(
         "--quant with --format sft: quantization-aware training takes language-modelling data "

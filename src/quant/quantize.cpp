@@ -178,6 +178,11 @@ ModelQuantizers::ModelQuantizers(hf::CausalLM& model, const QuantConfig& config)
   }
   attentions_ = detail::make_quantized_attentions(model_, config_);
   for (const auto& attention : attentions_) install_hooks(*attention);
+  // Here rather than in calibrate(): quantizers whose amax is set from a saved state (a QAT
+  // run resumed, mdist train's qat_quantizers.safetensors) are shared as the calibrated ones.
+  // The hooks read q.input_quantizer / weight_quantizer when they run, so sharing after
+  // installing them is fine.
+  share_fused_expert_quantizers();
 }
 
 ModelQuantizers::~ModelQuantizers() {
@@ -468,7 +473,6 @@ void ModelQuantizers::calibrate(const ForwardLoop& forward_loop, const QuantizeO
     calibrate_awq(forward_loop, options, weights_from_forward);
     return;
   }
-  share_fused_expert_quantizers();
   for (const auto& q : linears_) {
     q->collect_channels = smoothquant && q->input_quantizer->is_enabled() &&
                           q->weight_quantizer->is_enabled() && !is_routed_expert(q->name);

@@ -139,6 +139,24 @@ def lr_at(step):
     return min_lr + (LR - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def per_expert(name, value):
+    """A parameter under the names save_pretrained writes (mdist's checkpoint names): transformers
+    5's fused experts `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up
+    rows) and `experts.down_proj` [E, H, I] as `experts.E.{gate,up,down}_proj.weight`."""
+    if name.endswith(".experts.gate_up_proj"):
+        block = name[: -len("gate_up_proj")]
+        out = {}
+        for e, w in enumerate(value):
+            gate, up = w.chunk(2, dim=0)
+            out[f"{block}{e}.gate_proj.weight"] = gate.contiguous()
+            out[f"{block}{e}.up_proj.weight"] = up.contiguous()
+        return out
+    if name.endswith(".experts.down_proj"):
+        block = name[: -len("down_proj")]
+        return {f"{block}{e}.down_proj.weight": w.contiguous() for e, w in enumerate(value)}
+    return {name: value.contiguous()}
+
+
 PRESETS = {"fp8": mtq.FP8_DEFAULT_CFG, "int8": mtq.INT8_DEFAULT_CFG,
            "int4_awq": mtq.INT4_AWQ_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}
 
@@ -195,7 +213,9 @@ def run(case, train_ids, model_dir=MODEL, export_dir=None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer.step()
         losses.append(loss.item())
-    after = {n: p.detach().clone().contiguous() for n, p in params}
+    after = {}
+    for n, p in params:
+        after.update(per_expert(n, p.detach().clone()))
     # The amax stays frozen through training (modelopt's QAT): checked, not assumed.
     for k, v in model.state_dict().items():
         if k in amax:
@@ -218,6 +238,12 @@ OUTPUTS = [
     (HERE / "ptq_qwen3", HERE / "qat_qwen3" / "expected.safetensors", ("fp8", "int8")),
     # INT4 AWQ needs in_features in whole blocks of 128: awq_llama (hidden 128).
     (HERE / "awq_llama", HERE / "qat_awq_llama" / "expected.safetensors", ("int4_awq",)),
+    # Qwen3-MoE (make_ptq_moe_fixtures.py's): transformers 5's fused experts, which modelopt
+    # quantizes with one input quantizer per fused projection shared by the block's experts and
+    # a weight quantizer per expert; the gradients reach every expert through the shared ones.
+    # Its config's output_router_logits is false: the loss is the cross entropy alone, as
+    # mdist train's default (no load-balancing term).
+    (HERE / "ptq_qwen3_moe", HERE / "qat_qwen3_moe" / "expected.safetensors", ("fp8", "int8")),
 ]
 
 
