@@ -185,10 +185,10 @@ std::map<std::string, at::Tensor> TensorParallelPlan::gather(
     } else {
       // A fused weight: each of its parts (q, k, v; gate, up) is every rank's piece of it in
       // rank order (no replicas: parallelize refuses shared KV heads for fused weights).
-      int64_t local = 0;
+      int64_t offset = 0;  // this part's first row in each rank's piece
       for (const tp::RowRange& piece : p.pieces) {
-        for (int r = 0; r < world; ++r) parts.push_back(gathered[r].narrow(0, local, piece.count));
-        local += piece.count;
+        for (int r = 0; r < world; ++r) parts.push_back(gathered[r].narrow(0, offset, piece.count));
+        offset += piece.count;
       }
     }
     const at::Tensor joined = at::cat(parts, p.split == Split::kRows ? 0 : 1);
